@@ -1,0 +1,53 @@
+"""The one exception tree of flexrun.
+
+Owns every exception type the library raises on purpose. I/O boundaries translate
+foreign errors into these (``raise StoreUnavailable(...) from exc``); the CLI turns any
+:class:`FlexrunError` into one line on stderr and exit code 2. Anything else that escapes
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class FlexrunError(Exception):
+    """Base of every error flexrun raises deliberately."""
+
+
+class ConfigError(FlexrunError):
+    """Bad user input: flags, environment, spec files. Message names the problem and the fix."""
+
+
+class StoreError(FlexrunError):
+    """A key-value store operation failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (refused, timed out, closed)."""
+
+
+class StoreTimeout(StoreError):
+    """A bounded wait on the store expired."""
+
+
+class RendezvousError(FlexrunError):
+    """The rendezvous could not complete."""
+
+
+class RendezvousTimeout(RendezvousError):
+    """Not enough nodes arrived before the join timeout."""
+
+
+class RendezvousClosed(RendezvousError):
+    """The job has finished or failed; no new round will be formed."""
+
+
+class AgentError(FlexrunError):
+    """The elastic agent could not run its workers."""
+
+
+class CheckpointError(FlexrunError):
+    """A checkpoint could not be saved, verified or loaded."""
+
+
+class SpecError(ConfigError):
+    """A spec file (Kubernetes job, pipeline) is invalid; the message names the field."""

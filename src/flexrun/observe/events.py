@@ -1,0 +1,88 @@
+"""The run's event log: one JSON object a line in ``<run_dir>/events.jsonl``.
+
+Owns the on-disk format and line-atomic appends; it does not decide which events exist
+(callers do, per ARCHITECTURE.md) nor aggregate them (the report does). Each line is
+written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so concurrent writers
+(agents and workers of one node) never interleave within a line, and a writer killed
+mid-way leaves at worst one partial last line, which :func:`read_events` skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events for one run, tagged with run id, node and current round."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None,
+        *,
+        run_id: str,
+        node: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
+        self.run_id = run_id
+        self.node = node or socket.gethostname()
+        self.round: int | None = None
+        self._clock = clock
+        self._lock = threading.Lock()
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append one event and return the record written (also when logging is off)."""
+        record: dict[str, Any] = {
+            "ts": round(self._clock.wall(), 6),
+            "event": event,
+            "run_id": self.run_id,
+            "node": self.node,
+            "round": fields.pop("round", self.round),
+        }
+        record.update(fields)
+        if self._path is None:
+            return record
+        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        return record
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the complete events of a file (or of ``events.jsonl`` in a directory).
+
+    A truncated last line (a writer killed mid-write) is skipped, not an error.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / EVENTS_FILE
+    if not p.exists():
+        return
+    with p.open("rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                continue
+            try:
+                yield json.loads(raw)
+            except json.JSONDecodeError:
+                continue

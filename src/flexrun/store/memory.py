@@ -1,0 +1,100 @@
+"""An in-process store for unit tests: exact semantics, injectable clock, no I/O."""
+
+from __future__ import annotations
+
+import threading
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.store.api import Entry
+
+
+class MemoryStore:
+    """Thread-safe dict with revisions, TTL keys and a condition variable for watches."""
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._data: dict[str, tuple[Entry, float | None]] = {}
+        self._rev = 0
+        # Revision of the last write per key, kept for deletes too so watches see them.
+        self._writes: list[tuple[int, str]] = []
+        self._closed = False
+
+    def _live(self, key: str) -> Entry | None:
+        item = self._data.get(key)
+        if item is None:
+            return None
+        entry, expires = item
+        if expires is not None and self._clock.monotonic() >= expires:
+            del self._data[key]
+            return None
+        return entry
+
+    def _write(self, key: str, value: bytes | None, ttl_s: float | None) -> Entry | None:
+        self._rev += 1
+        self._writes.append((self._rev, key))
+        if len(self._writes) > 4096:
+            del self._writes[:1024]
+        if value is None:
+            self._data.pop(key, None)
+            entry = None
+        else:
+            entry = Entry(value, self._rev)
+            expires = None if ttl_s is None else self._clock.monotonic() + ttl_s
+            self._data[key] = (entry, expires)
+        self._cond.notify_all()
+        return entry
+
+    def get(self, key: str) -> Entry | None:
+        with self._cond:
+            return self._live(key)
+
+    def get_prefix(self, prefix: str) -> dict[str, Entry]:
+        with self._cond:
+            out = {}
+            for key in sorted(k for k in self._data if k.startswith(prefix)):
+                entry = self._live(key)
+                if entry is not None:
+                    out[key] = entry
+            return out
+
+    def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
+        with self._cond:
+            entry = self._write(key, bytes(value), ttl_s)
+            assert entry is not None
+            return entry.revision
+
+    def compare_and_set(
+        self, key: str, value: bytes, *, expected_revision: int
+    ) -> tuple[bool, Entry | None]:
+        with self._cond:
+            current = self._live(key)
+            current_rev = current.revision if current is not None else 0
+            if current_rev != expected_revision:
+                return False, current
+            return True, self._write(key, bytes(value), None)
+
+    def delete(self, key: str) -> None:
+        with self._cond:
+            if key in self._data:
+                self._write(key, None, None)
+
+    def revision(self) -> int:
+        with self._cond:
+            return self._rev
+
+    def wait_for_change(self, prefix: str, since_revision: int, timeout_s: float) -> tuple[bool, int]:
+        deadline = self._clock.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if any(r > since_revision and k.startswith(prefix) for r, k in self._writes):
+                    return True, self._rev
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0 or self._closed:
+                    return False, self._rev
+                self._cond.wait(min(remaining, 0.5))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
