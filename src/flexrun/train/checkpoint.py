@@ -1,0 +1,414 @@
+"""The Checkpointer: what a training script calls to save and resume.
+
+Owns which state is saved (registered stateful objects, per-rank RNG states, user
+extras), when the training loop may continue (after the host copy; persisting runs on a
+background thread, at most one in flight), how background errors reach the caller (on the
+next call, never silently), which checkpoint is loaded (the newest that verifies, with a
+fallback event for each one skipped), and the checkpoint events. The layout and commit
+protocol live in ``flexrun.train.commit``; file operations in ``flexrun.train.storage``.
+
+Replicated (DDP) state: rank 0 is the one writer; RNG states of all ranks are gathered to
+it; every rank reads the checkpoint that rank 0 chose. Sharded (FSDP/DTensor) state goes
+through :class:`flexrun.train.sharded.ShardedCheckpointer` instead.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.errors import CheckpointError
+from flexrun.observe.events import EventLog
+from flexrun.train.commit import (
+    FaultHook,
+    Manifest,
+    claim_fence,
+    commit_checkpoint,
+    list_steps,
+    prune,
+    remove_stale_staging,
+    verify_checkpoint,
+)
+from flexrun.train.context import TrainContext, current, single_process_context
+from flexrun.train.state import HostSnapshot, capture_rng, restore_rng, synchronize_device
+from flexrun.train.storage import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+RNG_FILE = "rng.pt"
+EXTRA_FILE = "extra.pt"
+
+
+class Stateful(Protocol):
+    """Anything with ``state_dict()``/``load_state_dict()`` (modules, optimizers, samplers...)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Loaded:
+    """What :meth:`Checkpointer.load` restored."""
+
+    step: int
+    """The step the checkpoint was saved at."""
+    extra: dict[str, Any]
+    """User extras passed to ``save(extra=...)`` (epoch, counters ...)."""
+    world_size: int
+    """World size of the run that saved it."""
+    skipped: tuple[int, ...]
+    """Newer checkpoints that failed verification and were skipped."""
+
+
+def load_weights_only(blob: bytes, *, what: str) -> Any:
+    """Deserialize with ``weights_only=True``: a checkpoint can never run code.
+
+    Raises:
+        CheckpointError: the bytes are not a torch file or contain non-allowlisted objects.
+    """
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError ...
+        raise CheckpointError(f"{what}: refused to load (weights_only): {exc}") from exc
+
+
+class Checkpointer:
+    """Saves and restores registered state under a directory or fsspec URL.
+
+    Every rank constructs one and calls ``save``/``load`` at the same steps (they are
+    collective when a process group exists).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        ctx: TrainContext | None = None,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        save_rng: bool = True,
+        events: EventLog | None = None,
+        storage: Storage | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        """
+        Args:
+            directory: local/shared directory or fsspec URL (``memory://``, ``s3://`` ...).
+            ctx: from :func:`flexrun.train.init`; defaults to the current one, else a
+                single-process context.
+            keep_last: how many newest checkpoints retention keeps (>= 1).
+            keep_every: also keep every checkpoint whose step is a multiple of this.
+            async_save: persist on a background thread (the loop blocks for the host copy).
+            save_rng: save and restore per-rank RNG states of torch/CUDA/numpy/Python.
+            events: event log; by default one in ``ctx.run_dir`` when that is set.
+            storage: file operations (default: chosen from ``directory``); tests inject faults.
+            clock: time source for stall/persist durations.
+            fault_hook: called at each commit stage (tests only).
+
+        Raises:
+            CheckpointError: bad retention values, unusable directory, or this writer's
+                round is older than the directory's fence (a straggler).
+        """
+        if keep_last < 1:
+            raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise CheckpointError(f"keep_every must be >= 1 or None, got {keep_every}")
+        self._ctx = ctx or current() or single_process_context()
+        if storage is None:
+            self._storage, self._root = open_storage(directory)
+        else:
+            self._storage, self._root = storage, os.fspath(directory)
+        self._keep_last = keep_last
+        self._keep_every = keep_every
+        self._async = async_save
+        self._save_rng = save_rng
+        self._clock = clock
+        self._fault_hook = fault_hook
+        self._objects: dict[str, Stateful] = {}
+        self._snapshot = HostSnapshot()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        if events is None and self._ctx.run_dir is not None:
+            events = EventLog(self._ctx.run_dir, run_id=self._ctx.run_id, node=self._ctx.node)
+        if events is not None and events.round is None:
+            events.round = self._ctx.round
+        self._events = events
+        if self._ctx.is_main:
+            self._storage.makedirs(self._root)
+            claim_fence(self._storage, self._root, self._ctx.round)
+            remove_stale_staging(self._storage, self._root, self._ctx.round)
+
+    # -- registration -------------------------------------------------------------------
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Save and restore ``obj`` under ``name`` (a model, optimizer, scheduler, sampler...).
+
+        Raises:
+            CheckpointError: the name is taken, reserved, or not a plain file-name stem.
+        """
+        if not name or not name.replace("_", "").replace("-", "").isalnum():
+            raise CheckpointError(f"checkpoint name {name!r} must be alphanumeric (-, _ allowed)")
+        if name in self._objects or f"{name}.pt" in (RNG_FILE, EXTRA_FILE):
+            raise CheckpointError(f"checkpoint name {name!r} is already used")
+        self._objects[name] = obj
+
+    @property
+    def directory(self) -> str:
+        return self._root
+
+    def steps(self) -> list[int]:
+        """Committed (not necessarily verified) checkpoint steps, ascending."""
+        return list_steps(self._storage, self._root)
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(
+        self, step: int, *, extra: Mapping[str, Any] | None = None, blocking: bool = False
+    ) -> None:
+        """Checkpoint all registered state as ``step``. Collective: every rank calls it.
+
+        Blocks while the previous persist (if any) finishes and while state is copied to
+        host memory; then persisting continues in the background unless ``blocking`` (or
+        the checkpointer is synchronous), in which case it returns once the checkpoint is
+        committed on every rank's view.
+
+        Raises:
+            CheckpointError: this or a previous background save failed; the previous
+                committed checkpoint is intact.
+        """
+        if self._closed:
+            raise CheckpointError("save() after close()")
+        t0 = self._clock.monotonic()
+        self._join()
+        self._raise_pending()
+        rng = capture_rng() if self._save_rng else None
+        rngs = self._gather(rng)
+        if self._ctx.is_main:
+            payload: dict[str, Any] = {
+                name: self._snapshot.take(obj.state_dict()) for name, obj in self._objects.items()
+            }
+            synchronize_device()
+            payload[EXTRA_FILE] = dict(extra or {})
+            if rngs is not None:
+                payload[RNG_FILE] = rngs
+            stall_s = self._clock.monotonic() - t0
+            if self._async and not blocking:
+                self._thread = threading.Thread(
+                    target=self._persist_bg,
+                    args=(step, payload, stall_s),
+                    name=f"flexrun-ckpt-{step}",
+                )
+                self._thread.start()
+            else:
+                self._persist(step, payload, stall_s)
+        if blocking and self._distributed():
+            dist.barrier()
+
+    def wait(self) -> None:
+        """Block until the in-flight persist (if any) is committed.
+
+        Raises:
+            CheckpointError: the background persist failed.
+        """
+        self._join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Wait for the in-flight persist; later saves are refused. Idempotent.
+
+        Raises:
+            CheckpointError: the background persist failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _raise_pending(self) -> None:
+        err, self._error = self._error, None
+        if err is None:
+            return
+        if isinstance(err, CheckpointError):
+            raise CheckpointError(f"background checkpoint save failed: {err}") from err
+        raise CheckpointError(f"background checkpoint save failed: {err!r}") from err
+
+    def _persist_bg(self, step: int, payload: dict[str, Any], stall_s: float) -> None:
+        _lower_thread_priority()
+        try:
+            self._persist(step, payload, stall_s)
+        except BaseException as exc:  # handed to the training thread on its next call
+            self._error = exc
+
+    def _persist(self, step: int, payload: dict[str, Any], stall_s: float) -> None:
+        t0 = self._clock.monotonic()
+        files = {
+            (k if k.endswith(".pt") else f"{k}.pt"): _torch_writer(v) for k, v in payload.items()
+        }
+        try:
+            manifest = commit_checkpoint(
+                self._storage,
+                self._root,
+                step=step,
+                round=self._ctx.round,
+                world_size=self._ctx.world_size,
+                files=files,
+                meta={"kind": "replicated", "objects": sorted(self._objects)},
+                clock=self._clock,
+                fault_hook=self._fault_hook,
+            )
+        except CheckpointError as exc:
+            self._emit("checkpoint_save_failed", step=step, error=str(exc))
+            raise
+        persist_s = self._clock.monotonic() - t0
+        removed = prune(
+            self._storage,
+            self._root,
+            keep_last=self._keep_last,
+            keep_every=self._keep_every,
+            protect=step,
+        )
+        self._emit(
+            "checkpoint_saved",
+            step=step,
+            bytes=manifest.total_bytes,
+            stall_s=round(stall_s, 6),
+            persist_s=round(persist_s, 6),
+            path=self._storage.join(self._root, f"step_{step}"),
+            pruned=removed,
+        )
+
+    # -- loading ------------------------------------------------------------------------
+
+    def load(self, *, step: int | None = None) -> Loaded | None:
+        """Restore the newest checkpoint that verifies (or exactly ``step``). Collective.
+
+        Checkpoints that fail verification (missing files, wrong checksum, refused pickle)
+        are skipped with a ``checkpoint_fallback`` event. Returns ``None`` when there is
+        no checkpoint at all (a fresh start).
+
+        Raises:
+            CheckpointError: checkpoints exist but none verifies, ``step`` does not verify,
+                or a registered object is missing from the checkpoint.
+        """
+        self.wait()
+        t0 = self._clock.monotonic()
+        chosen: int | None = None
+        skipped: list[int] = []
+        loaded: tuple[Manifest, dict[str, Any]] | None = None
+        failure: str | None = None
+        if self._ctx.is_main:
+            candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+            for s in candidates:
+                try:
+                    loaded = self._read(s)
+                    chosen = s
+                    break
+                except CheckpointError as exc:
+                    skipped.append(s)
+                    self._emit("checkpoint_fallback", step=s, reason=str(exc))
+                    log.warning("checkpoint step %d unusable, falling back: %s", s, exc)
+            if chosen is None and candidates:
+                failure = f"no checkpoint in {self._root} verifies (tried {candidates})"
+        decision = self._broadcast((chosen, failure))
+        chosen, failure = decision
+        if failure is not None:
+            raise CheckpointError(failure)
+        if chosen is None:
+            return None
+        if loaded is None:
+            loaded = self._read(chosen)
+        manifest, state = loaded
+        self._apply(state)
+        self._emit(
+            "checkpoint_loaded",
+            step=chosen,
+            bytes=manifest.total_bytes,
+            load_s=round(self._clock.monotonic() - t0, 6),
+            saved_world_size=manifest.world_size,
+            skipped=skipped,
+        )
+        return Loaded(
+            step=chosen,
+            extra=dict(state.get(EXTRA_FILE) or {}),
+            world_size=manifest.world_size,
+            skipped=tuple(skipped),
+        )
+
+    def _read(self, step: int) -> tuple[Manifest, dict[str, Any]]:
+        manifest, blobs = verify_checkpoint(self._storage, self._root, step)
+        state = {
+            name: load_weights_only(blob, what=f"step_{step}/{name}")
+            for name, blob in blobs.items()
+        }
+        missing = [n for n in self._objects if f"{n}.pt" not in state]
+        if missing:
+            raise CheckpointError(f"step_{step} lacks registered state {missing}")
+        return manifest, {
+            (k[: -len(".pt")] if k not in (RNG_FILE, EXTRA_FILE) else k): v
+            for k, v in state.items()
+        }
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        for name, obj in self._objects.items():
+            obj.load_state_dict(state[name])
+        rngs = state.get(RNG_FILE)
+        if self._save_rng and isinstance(rngs, list) and self._ctx.rank < len(rngs):
+            restore_rng(rngs[self._ctx.rank])
+
+    # -- collectives and events ----------------------------------------------------------
+
+    def _distributed(self) -> bool:
+        return self._ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        if obj is None:
+            return None
+        if not self._distributed():
+            return [obj]
+        out: list[Any] = [None] * self._ctx.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self._events is not None and self._ctx.is_main:
+            self._events.emit(event, rank=self._ctx.rank, **fields)
+
+
+def _torch_writer(obj: Any) -> Any:
+    def write(f: Any) -> None:
+        torch.save(obj, f)
+
+    return write
+
+
+def _lower_thread_priority() -> None:
+    """Let the training threads win the CPU against persisting (Linux: per-thread nice)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError) as exc:  # not Linux, or not permitted: run at normal priority
+        log.debug("could not lower checkpoint thread priority: %s", exc)

@@ -1,0 +1,252 @@
+"""Where checkpoint bytes live: the local filesystem (with real fsyncs) or any fsspec URL.
+
+Owns the handful of file operations the commit protocol needs, each translated into
+:class:`~flexrun.errors.CheckpointError` at this I/O boundary. It does not know what a
+checkpoint is (``flexrun.train.commit`` does). Local paths get ``fsync`` on every file
+and directory and POSIX ``rename`` (atomic; a directory rename never replaces a
+non-empty directory). fsspec filesystems (``memory://``, ``s3://`` ...) get their own
+``mv``; object stores have no atomic directory rename, so there the manifest written
+last inside the directory is what makes a checkpoint count (the loader verifies it).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from typing import Any, BinaryIO, Protocol
+
+from flexrun.errors import CheckpointError
+
+
+class HashingWriter:
+    """A write-only file object that hashes and counts what passes through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        written = self._raw.write(view)
+        n = len(view) if written is None else written
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class Storage(Protocol):
+    """File operations of the commit protocol. Every method raises ``CheckpointError``."""
+
+    def write_file(self, path: str, writer: Any) -> tuple[int, str]:
+        """Create ``path``, call ``writer(fileobj)``, make it durable; return (size, sha256).
+
+        Raises:
+            CheckpointError: the write or the sync failed (e.g. ``ENOSPC``).
+        """
+        ...
+
+    def read_bytes(self, path: str) -> bytes:
+        """Whole content of ``path``.
+
+        Raises:
+            CheckpointError: missing or unreadable.
+        """
+        ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Base names in directory ``path`` (empty if it does not exist).
+
+        Raises:
+            CheckpointError: the directory exists but cannot be listed.
+        """
+        ...
+
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and parents.
+
+        Raises:
+            CheckpointError: cannot create.
+        """
+        ...
+
+    def rename(self, src: str, dst: str, *, replace: bool) -> None:
+        """Move ``src`` to ``dst``, atomically where the filesystem allows, and make it durable.
+
+        With ``replace=False`` an existing ``dst`` is an error, never overwritten.
+
+        Raises:
+            CheckpointError: the move failed or ``dst`` exists and ``replace`` is false.
+        """
+        ...
+
+    def remove_tree(self, path: str) -> None:
+        """Delete ``path`` recursively; a missing path is fine.
+
+        Raises:
+            CheckpointError: deletion failed.
+        """
+        ...
+
+    def join(self, *parts: str) -> str:
+        """Join path components the way this filesystem does."""
+        ...
+
+
+def _fail(what: str, path: str, exc: BaseException) -> CheckpointError:
+    detail = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
+    return CheckpointError(f"checkpoint {what} failed for {path}: {detail}")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A directory on a local or shared POSIX filesystem."""
+
+    def write_file(self, path: str, writer: Any) -> tuple[int, str]:
+        try:
+            with open(path, "wb", buffering=1 << 20) as raw:
+                hw = HashingWriter(raw)
+                writer(hw)
+                raw.flush()
+                os.fsync(raw.fileno())
+            fsync_dir(os.path.dirname(path) or ".")
+            return hw.size, hw.sha256.hexdigest()
+        except OSError as exc:
+            raise _fail("write", path, exc) from exc
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise _fail("read", path, exc) from exc
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _fail("list", path, exc) from exc
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise _fail("mkdir", path, exc) from exc
+
+    def rename(self, src: str, dst: str, *, replace: bool) -> None:
+        try:
+            if replace:
+                os.replace(src, dst)
+            else:
+                if os.path.lexists(dst):
+                    raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+                os.rename(src, dst)
+            fsync_dir(os.path.dirname(dst) or ".")
+        except OSError as exc:
+            raise _fail("rename", f"{src} -> {dst}", exc) from exc
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+        except OSError as exc:
+            raise _fail("remove", path, exc) from exc
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+
+class FsspecStorage:
+    """Any fsspec filesystem (``memory://``, ``s3://``, ``gs://`` ...)."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def write_file(self, path: str, writer: Any) -> tuple[int, str]:
+        try:
+            with self._fs.open(path, "wb") as raw:
+                hw = HashingWriter(raw)
+                writer(hw)
+            return hw.size, hw.sha256.hexdigest()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # fsspec backends raise their own types
+            raise _fail("write", path, exc) from exc
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return bytes(self._fs.cat_file(path))
+        except Exception as exc:
+            raise _fail("read", path, exc) from exc
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            if not self._fs.exists(path):
+                return []
+            names = self._fs.ls(path, detail=False)
+        except Exception as exc:
+            raise _fail("list", path, exc) from exc
+        return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in names)
+
+    def makedirs(self, path: str) -> None:
+        try:
+            self._fs.makedirs(path, exist_ok=True)
+        except Exception as exc:
+            raise _fail("mkdir", path, exc) from exc
+
+    def rename(self, src: str, dst: str, *, replace: bool) -> None:
+        try:
+            if self._fs.exists(dst):
+                if not replace:
+                    raise FileExistsError(errno.EEXIST, "destination exists", dst)
+                self._fs.rm(dst, recursive=True)
+            self._fs.mv(src, dst, recursive=True)
+        except Exception as exc:
+            raise _fail("rename", f"{src} -> {dst}", exc) from exc
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            if self._fs.exists(path):
+                self._fs.rm(path, recursive=True)
+        except Exception as exc:
+            raise _fail("remove", path, exc) from exc
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.rstrip("/") for p in parts)
+
+
+def open_storage(url: str | os.PathLike[str]) -> tuple[Storage, str]:
+    """Storage and root path for a directory or fsspec URL.
+
+    Raises:
+        CheckpointError: the URL names a protocol whose fsspec backend is not installed.
+    """
+    text = os.fspath(url)
+    if "://" not in text or text.startswith("file://"):
+        root = text[len("file://") :] if text.startswith("file://") else text
+        return LocalStorage(), os.path.abspath(root)
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise CheckpointError(f"{text}: URLs need fsspec (pip install fsspec)") from exc
+    try:
+        fs, root = fsspec.core.url_to_fs(text)
+    except (ImportError, ValueError) as exc:
+        raise CheckpointError(f"{text}: no fsspec filesystem for this URL: {exc}") from exc
+    return FsspecStorage(fs), str(root).rstrip("/")
