@@ -28,14 +28,11 @@ import os
 import socket
 import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import StoreTimeout, StoreUnavailable
 from flexrun.store.api import Entry
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 _REV_KEY = "__flexrun/rev"
 _EV_PREFIX = "__flexrun/ev/"
@@ -48,7 +45,7 @@ def _quiet_cpp_logs() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def _dist() -> dist:  # type: ignore[valid-type]
+def _dist() -> Any:
     _quiet_cpp_logs()
     import torch.distributed as dist
 
@@ -143,7 +140,7 @@ class TcpStore:
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
-    def _c(self) -> dist.Store:  # type: ignore[name-defined]
+    def _c(self) -> Any:
         if self._closed:
             raise StoreUnavailable("store client is closed")
         client = getattr(self._local, "client", None)
@@ -156,7 +153,7 @@ class TcpStore:
             self._local.client = client
         return client
 
-    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+    def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
         except RuntimeError as exc:  # DistStoreError/DistNetworkError derive from it
@@ -207,7 +204,7 @@ class TcpStore:
             return {}
         raws = self._call(c.multi_get, keys)
         out = {}
-        for key, raw in zip(keys, raws):
+        for key, raw in zip(keys, raws, strict=True):
             entry = self._live(key, bytes(raw))
             if entry is not None:
                 out[key] = entry

@@ -1,0 +1,260 @@
+"""The elastic agent of one node, restart mode: rendezvous -> spawn -> monitor -> react.
+
+Owns the loop that composes the rendezvous handler (membership), the worker group
+(processes) and the event log, plus the agent's own signals and exit code. Membership
+decisions live in ``flexrun.rendezvous.decide``; process mechanics in ``workers.py``.
+
+Exit codes (ARCHITECTURE.md): 0 success; a failed worker's own code when 1..127; 128+N
+when the job stopped on signal N (143 for a preemption's SIGTERM).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.spec import worker_envs
+from flexrun.agent.workers import WorkerGroup, WorkerResult, build_command
+from flexrun.config import RunConfig
+from flexrun.observe.events import EventLog
+from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
+from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
+from flexrun.store.api import Store
+
+log = logging.getLogger("flexrun.agent")
+
+# A restart stops workers that may be blocked in a collective with a dead peer: they will
+# not reach a clean exit, so do not wait long before SIGKILL.
+RESTART_GRACE_S = 2.0
+
+
+class _Terminated(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class ElasticAgent:
+    """Runs this node's workers for as long as the job runs."""
+
+    def __init__(self, config: RunConfig, store: Store, *, events: EventLog, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.events = events
+        self.clock = clock
+        self.me = NodeRecord(config.node_id, config.local_addr, config.nproc_per_node, pid=_pid())
+        self.rdzv = RendezvousHandler(
+            store, run_id=config.run_id, me=self.me, settings=config.rendezvous, events=events, clock=clock
+        )
+        self.group: WorkerGroup | None = None
+        self.running: int | None = None
+        self._runs = 0
+        self._started = clock.monotonic()
+        self._productive_s = 0.0
+        self._run_started = 0.0
+        self._command = build_command(
+            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+        )
+
+    # -- entry point ------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until the job finishes, fails or this agent is signalled; return the exit code."""
+        previous = self._install_signals()
+        try:
+            self.rdzv.join()
+            code = self._loop()
+            self._finish(code)
+            return code
+        except _Terminated as t:
+            log.warning("received %s: stopping workers (grace %gs)", signal.Signals(t.signum).name, self.config.stop_grace_s)
+            self.events.emit("preempted", signal=signal.Signals(t.signum).name)
+            self._stop_workers(self.config.stop_grace_s, reason="signal")
+            code = 128 + t.signum
+            self._finish(code)
+            return code
+        finally:
+            self._stop_workers(0, reason="agent exit")
+            self.rdzv.leave()
+            self._restore_signals(previous)
+
+    def _finish(self, code: int) -> None:
+        wall = self.clock.monotonic() - self._started
+        self.events.emit(
+            "job_finished",
+            exit_code=code,
+            wall_s=round(wall, 3),
+            productive_s=round(self._productive_s, 3),
+            ettr=round(self._productive_s / wall, 4) if wall > 0 else None,
+            rounds_run=self._runs,
+        )
+
+    # -- signals ----------------------------------------------------------------------------
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            raise _Terminated(signum)
+
+        previous: dict[int, Any] = {}
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, handler)
+        return previous
+
+    @staticmethod
+    def _restore_signals(previous: dict[int, Any]) -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> int:
+        interval = self.config.monitor_interval_s
+        while True:
+            if self.group is not None:
+                outcome = self._check_workers()
+                if outcome is not None:
+                    return outcome
+            action = self.rdzv.step(self.running)
+            if isinstance(action, Run):
+                self._start_round(action.round)
+                continue
+            if isinstance(action, Stop):
+                log.info("stopping workers: %s", action.reason)
+                self._stop_workers(RESTART_GRACE_S, reason=action.reason)
+                continue
+            if isinstance(action, Exit):
+                self._stop_workers(RESTART_GRACE_S, reason=action.reason)
+                if action.code != 0:
+                    _print_root_cause(action.root_cause, action.reason)
+                return action.code
+            self.rdzv.wait(interval if self.group is not None else max(interval, 0.5))
+
+    def _start_round(self, rnd: RoundRecord) -> None:
+        if self.group is not None:
+            log.info("round %d (%s): restarting workers", rnd.number, rnd.reason)
+            self.events.emit("restart", round=rnd.number, reason=rnd.reason)
+            self._stop_workers(RESTART_GRACE_S, reason=f"round {rnd.number}")
+        t0 = self.clock.monotonic()
+        self.events.emit("rendezvous_started", round=rnd.number)
+        master = self.rdzv.master_for(rnd, timeout_s=self.config.rendezvous.join_timeout_s)
+        if master is None:
+            return  # the round moved on while we waited; the next step re-decides
+        self.events.round = rnd.number
+        envs = worker_envs(
+            base=self.config.environ,
+            rnd=rnd,
+            node_id=self.me.node_id,
+            nproc=self.config.nproc_per_node,
+            master=master,
+            role=self.config.role,
+            run_id=self.config.run_id,
+            run_dir=self.config.run_dir,
+            restart_count=self._runs,
+            max_restarts=self.config.rendezvous.max_restarts,
+        )
+        log_root = self.config.log_dir or (self.config.run_dir / "logs")
+        log_dir = log_root / f"round_{rnd.number}"
+        self.group = WorkerGroup.start(
+            self._command, envs, log_dir, console_streams=self.config.console_streams
+        )
+        self.running = rnd.number
+        self._runs += 1
+        self._run_started = self.clock.monotonic()
+        self.events.emit(
+            "rendezvous_completed",
+            round=rnd.number,
+            members=rnd.member_ids,
+            world_size=rnd.world_size(),
+            group_rank=rnd.group_rank(self.me.node_id),
+            duration_s=round(self.clock.monotonic() - t0, 4),
+            reason=rnd.reason,
+        )
+        for w in self.group.workers:
+            self.events.emit("worker_started", rank=w.rank, local_rank=w.local_rank, pid=w.proc.pid)
+        log.info(
+            "round %d: %d node(s), world size %d, ranks %d-%d here",
+            rnd.number, len(rnd.members), rnd.world_size(),
+            rnd.rank_base(self.me.node_id), rnd.rank_base(self.me.node_id) + self.config.nproc_per_node - 1,
+        )
+
+    def _check_workers(self) -> int | None:
+        assert self.group is not None and self.running is not None
+        results = self.group.poll()
+        failed = [r for r in results if r.returncode != 0]
+        if failed:
+            first = failed[0]
+            cause = self.group.root_cause(first)
+            cause["node"] = self.me.node_id
+            cause["round"] = self.running
+            for r in results:
+                self._emit_exit(r)
+            self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
+            failed_round = self.running
+            self._stop_workers(RESTART_GRACE_S, reason="worker failure", productive=False)
+            rec = self.rdzv.report_failure(failed_round, cause)
+            what = f"rank {first.rank} failed ({_describe(first)})"
+            if rec.state == FAILED:
+                log.error("%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts)
+            elif rec.state == RUNNING and rec.reason == "failure":
+                log.warning(
+                    "%s: %s; restarting (failure %d of at most %d)",
+                    what, cause.get("message") or "", rec.restarts, self.config.rendezvous.max_restarts,
+                )
+            return None
+        if self.group.all_done():
+            for r in results:
+                self._emit_exit(r)
+            self._stop_workers(0, reason="finished")
+            self.rdzv.close(self.running if self.running is not None else 0)
+            return 0
+        return None
+
+    def _emit_exit(self, r: WorkerResult) -> None:
+        self.events.emit(
+            "worker_exited", rank=r.rank, local_rank=r.local_rank, pid=r.pid,
+            exit_code=r.exit_code, signal=r.signal_name,
+        )
+
+    def _stop_workers(self, grace_s: float, *, reason: str, productive: bool = True) -> None:
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        if not group.all_done():
+            log.debug("stopping workers (%s)", reason)
+        group.stop(grace_s)
+        if productive:
+            self._productive_s += self.clock.monotonic() - self._run_started
+        self.running = None
+
+
+def _describe(r: WorkerResult) -> str:
+    return f"killed by {r.signal_name}" if r.signal_name else f"exit code {r.exit_code}"
+
+
+def _print_root_cause(cause: dict[str, Any] | Any, reason: str) -> None:
+    if not cause:
+        print(f"flexrun: {reason}", file=sys.stderr)
+        return
+    sig = f" ({cause.get('signal')})" if cause.get("signal") else ""
+    print(
+        f"flexrun: {reason}. Root cause: rank {cause.get('rank')} on node {cause.get('node')} "
+        f"exited with code {cause.get('exit_code')}{sig}: {cause.get('message') or 'no message'}",
+        file=sys.stderr,
+    )
+    tb = str(cause.get("traceback") or "").strip()
+    if tb:
+        print("flexrun: traceback of the failing rank:\n" + tb, file=sys.stderr)
+    if cause.get("log_dir"):
+        print(f"flexrun: logs: {cause.get('log_dir')}", file=sys.stderr)
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+

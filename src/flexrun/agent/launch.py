@@ -1,0 +1,66 @@
+"""From a validated RunConfig to a running agent: store connection (or hosting), event log.
+
+Owns the wiring only; the CLI calls :func:`launch` and turns its result into an exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flexrun.agent.agent import ElasticAgent
+from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
+from flexrun.errors import ConfigError, StoreUnavailable
+from flexrun.observe.events import EventLog
+from flexrun.store.api import Store
+
+log = logging.getLogger("flexrun.agent")
+
+
+def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
+    """Connect to (or host, then connect to) the configured store.
+
+    Returns the client and the hosted server object (keep it referenced), if any.
+
+    Raises:
+        StoreUnavailable: the endpoint cannot be reached within the connect timeout.
+        ConfigError: the backend is not available in this installation.
+    """
+    if settings.backend in BACKENDS_ETCD:
+        try:
+            from flexrun.store import etcd  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise ConfigError(
+                f"--rdzv-backend {settings.backend}: the etcd backend is not available in this "
+                "installation (pip install 'flexrun[etcd]')"
+            ) from exc
+        return etcd.EtcdStore.from_settings(settings), None
+    from flexrun.store.tcp import TcpStore, TcpStoreServer
+
+    server: TcpStoreServer | None = None
+    if not settings.endpoints:
+        server = TcpStoreServer("127.0.0.1", 0)
+        host, port = "127.0.0.1", server.port
+    else:
+        host, port = settings.endpoints[0]
+        if settings.host_store:
+            try:
+                server = TcpStoreServer("0.0.0.0", port)
+                log.info("hosting the rendezvous store on port %d", port)
+            except StoreUnavailable:
+                # Someone (a `flexrun store`, or another agent on this host) already serves it.
+                server = None
+    client = TcpStore(host, port, connect_timeout_s=settings.connect_timeout_s)
+    return client, server
+
+
+def launch(config: RunConfig) -> int:
+    """Run this node's agent to completion and return the process exit code."""
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
+    store, server = open_store(config.store)
+    try:
+        agent = ElasticAgent(config, store, events=events)
+        return agent.run()
+    finally:
+        store.close()
+        del server

@@ -1,0 +1,276 @@
+"""Worker processes of one node: spawn, poll, stop, and explain failures.
+
+Owns the process side of the agent: command lines, per-rank log files and their tee to
+the console, error files (torch's ``@record`` format), signals and reaping. It knows
+nothing of rounds or stores; the agent hands it a fully built environment per rank.
+
+Every worker runs in its own session (so a signal reaches its whole process tree) with
+``PR_SET_PDEATHSIG`` = SIGKILL, so a worker dies with its agent even on ``kill -9``.
+Every process started here is waited for: no zombies, no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(parent_pid: int) -> None:
+    # Runs in the child between fork and exec: die with the agent, however it dies.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the agent's own stop path still reaps its workers
+    if os.getppid() != parent_pid:
+        os._exit(137)  # the agent died before prctl took effect
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResult:
+    """How one worker ended."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    returncode: int
+    ended_at: float
+
+    @property
+    def exit_code(self) -> int:
+        """Shell-style code: 128+N for a signal."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log_dir: Path
+    error_file: Path
+    result: WorkerResult | None = None
+    files: list[IO[bytes]] = field(default_factory=list)
+
+
+def build_command(entrypoint: str, args: Sequence[str], *, module: bool, no_python: bool) -> list[str]:
+    if no_python:
+        return [entrypoint, *args]
+    if module:
+        return [sys.executable, "-u", "-m", entrypoint, *args]
+    return [sys.executable, "-u", entrypoint, *args]
+
+
+class _Tee(threading.Thread):
+    """Copies a growing log file to the console with a ``[rankN]:`` prefix."""
+
+    def __init__(self, path: Path, prefix: str, out: IO[str], done: threading.Event) -> None:
+        super().__init__(name=f"flexrun-tee-{path.name}", daemon=True)
+        self.path, self.prefix, self.out, self.done = path, prefix, out, done
+
+    def run(self) -> None:
+        with self.path.open("rb") as fh:
+            partial = b""
+            while True:
+                chunk = fh.read(65536)
+                if chunk:
+                    partial += chunk
+                    *lines, partial = partial.split(b"\n")
+                    for line in lines:
+                        self.out.write(f"{self.prefix}{line.decode(errors='replace')}\n")
+                    self.out.flush()
+                    continue
+                if self.done.is_set():
+                    if partial:
+                        self.out.write(f"{self.prefix}{partial.decode(errors='replace')}\n")
+                        self.out.flush()
+                    return
+                time.sleep(0.05)
+
+
+class WorkerGroup:
+    """The local workers of one round."""
+
+    def __init__(self, workers: list[Worker], tees: list[_Tee], tee_done: threading.Event) -> None:
+        self.workers = workers
+        self._tees = tees
+        self._tee_done = tee_done
+
+    @classmethod
+    def start(
+        cls,
+        command: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        log_dir: Path,
+        *,
+        console_streams: frozenset[str] = frozenset({"stdout", "stderr"}),
+    ) -> WorkerGroup:
+        """Start one process per environment in ``envs`` (local rank = index)."""
+        workers: list[Worker] = []
+        tees: list[_Tee] = []
+        done = threading.Event()
+        parent = os.getpid()
+        try:
+            for local_rank, env in enumerate(envs):
+                rank = int(env["RANK"])
+                wdir = log_dir / f"rank_{rank}"
+                wdir.mkdir(parents=True, exist_ok=True)
+                error_file = wdir / "error.json"
+                error_file.unlink(missing_ok=True)
+                out = (wdir / "stdout.log").open("wb")
+                err = (wdir / "stderr.log").open("wb")
+                env = dict(env)
+                env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+                proc = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    preexec_fn=lambda: _child_setup(parent),  # noqa: PLW0108
+                )
+                workers.append(Worker(local_rank, rank, proc, wdir, error_file, files=[out, err]))
+                for stream, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                    if stream in console_streams:
+                        tee = _Tee(wdir / f"{stream}.log", f"[rank{rank}]:", console, done)
+                        tee.start()
+                        tees.append(tee)
+        except OSError:
+            cls(workers, tees, done).stop(grace_s=0)
+            raise
+        return cls(workers, tees, done)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers]
+
+    def poll(self) -> list[WorkerResult]:
+        """Results of workers that have ended so far (in order of noticing)."""
+        now = time.time()
+        for w in self.workers:
+            if w.result is None:
+                rc = w.proc.poll()
+                if rc is not None:
+                    w.result = WorkerResult(w.local_rank, w.rank, w.proc.pid, rc, now)
+        return sorted((w.result for w in self.workers if w.result is not None), key=lambda r: r.ended_at)
+
+    def all_done(self) -> bool:
+        return all(w.result is not None for w in self.workers)
+
+    def signal_all(self, sig: int) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                try:
+                    os.killpg(w.proc.pid, sig)
+                except ProcessLookupError:
+                    continue
+
+    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM every worker's process group, wait up to ``grace_s``, then SIGKILL; reap all."""
+        self.signal_all(sig)
+        deadline = time.monotonic() + grace_s
+        for w in self.workers:
+            remaining = deadline - time.monotonic()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(remaining, 0.001))
+        self.signal_all(signal.SIGKILL)
+        for w in self.workers:
+            w.proc.wait()
+            # Kill anything the worker left in its session (e.g. DataLoader workers).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+        self.poll()
+        self.close()
+
+    def close(self) -> None:
+        self._tee_done.set()
+        for t in self._tees:
+            t.join(timeout=2)
+        for w in self.workers:
+            for f in w.files:
+                f.close()
+            w.files.clear()
+
+    def root_cause(self, result: WorkerResult) -> dict[str, Any]:
+        """What made ``result``'s worker fail: error file, else the tail of its stderr."""
+        w = next(w for w in self.workers if w.rank == result.rank)
+        cause: dict[str, Any] = {
+            "rank": result.rank,
+            "local_rank": result.local_rank,
+            "pid": result.pid,
+            "exit_code": result.exit_code,
+            "signal": result.signal_name,
+            "message": "",
+            "traceback": "",
+            "log_dir": str(w.log_dir),
+        }
+        parsed = read_error_file(w.error_file)
+        if parsed is not None:
+            cause.update(parsed)
+            return cause
+        tail = _tail(w.log_dir / "stderr.log")
+        cause["traceback"] = tail
+        cause["message"] = _last_exception_line(tail) or (
+            f"killed by {result.signal_name}" if result.signal_name else f"exited with code {result.exit_code}"
+        )
+        return cause
+
+
+def read_error_file(path: Path) -> dict[str, str] | None:
+    """Parse torch's ``@record`` error file (or flexrun's own, the same shape)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        extra = msg.get("extraInfo") or {}
+        return {"message": str(msg.get("message", "")), "traceback": str(extra.get("py_callstack", ""))}
+    if isinstance(msg, str):
+        return {"message": msg, "traceback": ""}
+    return None
+
+
+def _tail(path: Path, max_bytes: int = 8192) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\b.*)$")
+
+
+def _last_exception_line(text: str) -> str:
+    for line in reversed(text.splitlines()):
+        if _EXC_LINE.match(line.strip()):
+            return line.strip()
+    return ""

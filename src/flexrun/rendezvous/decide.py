@@ -1,0 +1,159 @@
+"""Pure rendezvous decisions: ``(view of the store, now) -> action``.
+
+Owns the membership rules of ARCHITECTURE.md (rounds, MIN:MAX, last call, stable ranks,
+loss detection, scale-up, closing). It performs no I/O and reads no clock: the handler
+builds a :class:`View`, calls :func:`decide`, and carries out the action. Unit tests
+drive it with hand-made views and a fake ``now``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexrun.config import RendezvousSettings
+from flexrun.rendezvous.state import (
+    CLOSED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    Member,
+    NodeRecord,
+    RoundRecord,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What one agent knows at one instant."""
+
+    me: str
+    round: RoundRecord | None
+    alive: Mapping[str, tuple[NodeRecord, int]]
+    """Nodes with a fresh keep-alive: id -> (record, revision at which it joined)."""
+    registered: frozenset[str]
+    """Nodes with a node record, alive or not (a member missing here left gracefully)."""
+    running: int | None
+    """The round whose workers this agent runs now, if any."""
+    now: float
+    candidates_since: float
+    """When the set of alive nodes last changed (starts the last-call window)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    round: RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    code: int
+    reason: str
+    root_cause: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Propose:
+    """Replace the round record (expected at ``expected_number``) with ``record``."""
+
+    record: RoundRecord
+    expected_number: int
+    lost: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    joined: tuple[str, ...] = ()
+
+
+Action = Wait | Run | Stop | Exit | Propose
+
+
+def order_members(
+    previous: Sequence[str], alive: Mapping[str, tuple[NodeRecord, int]], max_nodes: int
+) -> list[Member]:
+    """Survivors keep their relative order; newcomers follow in join order; cap at MAX."""
+    ids = [n for n in previous if n in alive]
+    newcomers = sorted((n for n in alive if n not in ids), key=lambda n: (alive[n][1], n))
+    out = []
+    for node_id in (ids + newcomers)[:max_nodes]:
+        rec = alive[node_id][0]
+        out.append(Member(rec.node_id, rec.addr, rec.nproc))
+    return out
+
+
+def next_round(
+    current: RoundRecord | None,
+    alive: Mapping[str, tuple[NodeRecord, int]],
+    settings: RendezvousSettings,
+    reason: str,
+    *,
+    failure: bool = False,
+    root_cause: Mapping[str, Any] | None = None,
+) -> RoundRecord:
+    """The round that follows ``current`` given who is alive (pure)."""
+    number = current.number + 1 if current is not None else 1
+    restarts = (current.restarts if current is not None else 0) + (1 if failure else 0)
+    cause = dict(root_cause or {})
+    if failure and restarts > settings.max_restarts:
+        code = int(cause.get("exit_code") or 1)
+        return RoundRecord(number, FAILED, (), restarts, "restarts_exhausted", code, cause)
+    previous = current.member_ids if current is not None else []
+    members = order_members(previous, alive, settings.max_nodes)
+    if len(members) < settings.min_nodes:
+        return RoundRecord(number, PENDING, (), restarts, reason, 0, cause)
+    return RoundRecord(number, RUNNING, tuple(members), restarts, reason, 0, cause)
+
+
+def decide(view: View, settings: RendezvousSettings) -> Action:
+    """The next thing this agent should do."""
+    r = view.round
+    if r is not None and r.state == FAILED:
+        return Exit(r.exit_code or 1, f"job failed: {r.reason}", r.root_cause)
+    if r is not None and r.state == CLOSED:
+        if view.running == r.number:
+            return Wait("job finishing: waiting for local workers")
+        return Exit(0, "job finished")
+
+    alive = view.alive
+    window_over = view.now - view.candidates_since >= settings.last_call_s
+
+    if r is not None and r.state == RUNNING:
+        members = r.member_ids
+        gone = [m for m in members if m not in alive]
+        if gone:
+            left = tuple(m for m in gone if m not in view.registered)
+            lost = tuple(m for m in gone if m in view.registered)
+            reason = "node_lost" if lost else "node_left"
+            return Propose(next_round(r, alive, settings, reason), r.number, lost=lost, left=left)
+        waiters = [n for n in alive if n not in members]
+        if waiters and len(members) < settings.max_nodes and (
+            len(members) + len(waiters) >= settings.max_nodes or window_over
+        ):
+            rec = next_round(r, alive, settings, "scale_up")
+            return Propose(rec, r.number, joined=tuple(n for n in rec.member_ids if n not in members))
+        if view.me in members:
+            if view.running != r.number:
+                return Run(r)
+            return Wait("training")
+        if view.running is not None:
+            return Stop(f"not a member of round {r.number}")
+        return Wait(f"standby: round {r.number} is full ({len(members)} of max {settings.max_nodes} nodes)"
+                    if len(members) >= settings.max_nodes else f"waiting to join round {r.number + 1}")
+
+    # No round yet, or too few nodes (PENDING).
+    if view.running is not None:
+        return Stop("too few nodes: waiting for more")
+    if len(alive) >= settings.min_nodes and (len(alive) >= settings.max_nodes or window_over):
+        reason = "start" if r is None else "nodes_returned"
+        rec = next_round(r, alive, settings, reason)
+        return Propose(rec, r.number if r is not None else 0, joined=tuple(rec.member_ids))
+    return Wait(f"waiting for nodes: {len(alive)} present, MIN is {settings.min_nodes}")

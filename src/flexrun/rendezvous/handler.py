@@ -1,0 +1,237 @@
+"""Carries out rendezvous decisions against a store: join, keep-alive, propose, close.
+
+Owns every store access of the rendezvous and the local bookkeeping the pure decisions
+need (when the set of alive nodes last changed). It does not decide (``decide.py``) and
+does not touch processes (the agent does).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.config import RendezvousSettings
+from flexrun.errors import RendezvousTimeout, StoreError
+from flexrun.observe.events import EventLog
+from flexrun.rendezvous.decide import Action, Propose, View, Wait, decide, next_round
+from flexrun.rendezvous.state import (
+    CLOSED,
+    FAILED,
+    Keys,
+    MasterRecord,
+    NodeRecord,
+    RoundRecord,
+)
+from flexrun.store.api import Store
+
+log = logging.getLogger("flexrun.rendezvous")
+
+
+def free_port(addr: str) -> int:
+    """A port the OS says is free on ``addr`` now (the caller's workers bind it next)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RendezvousHandler:
+    """One node's side of the rendezvous of one job."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        run_id: str,
+        me: NodeRecord,
+        settings: RendezvousSettings,
+        events: EventLog,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.store = store
+        self.keys = Keys(run_id)
+        self.me = me
+        self.settings = settings
+        self.events = events
+        self.clock = clock
+        self.round: RoundRecord | None = None
+        self._round_rev = 0
+        self._since_rev = 0
+        self._alive_set: frozenset[str] = frozenset()
+        self._candidates_since = clock.monotonic()
+        self._joined_at = clock.monotonic()
+        self._stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._hb_failing = False
+
+    # -- membership --------------------------------------------------------------------
+    def join(self) -> None:
+        """Announce this node and start its keep-alive."""
+        self._beat()
+        self.store.put(self.keys.node(self.me.node_id), self.me.encode())
+        self._joined_at = self.clock.monotonic()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="flexrun-heartbeat", daemon=True)
+        self._hb_thread.start()
+        self.events.emit("node_joined", node_id=self.me.node_id, addr=self.me.addr, nproc=self.me.nproc)
+
+    def _beat(self) -> None:
+        self.store.put(
+            self.keys.heartbeat(self.me.node_id), b"1", ttl_s=self.settings.heartbeat_timeout_s
+        )
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                self._beat()
+                if self._hb_failing:
+                    log.warning("store reachable again; keep-alive resumed")
+                    self._hb_failing = False
+            except StoreError as exc:
+                if not self._hb_failing:
+                    log.warning("keep-alive failed (will retry): %s", exc)
+                    self._hb_failing = True
+
+    def leave(self) -> None:
+        """Stop the keep-alive and remove this node so the others re-form at once."""
+        self._stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        try:
+            self.store.delete(self.keys.node(self.me.node_id))
+            self.store.delete(self.keys.heartbeat(self.me.node_id))
+        except StoreError as exc:
+            log.warning("could not deregister from the store: %s", exc)
+
+    # -- reading and deciding ------------------------------------------------------------
+    def _read(self) -> tuple[RoundRecord | None, dict[str, tuple[NodeRecord, int]], frozenset[str]]:
+        self._since_rev = self.store.revision()
+        entry = self.store.get(self.keys.round)
+        if entry is None:
+            rnd, self._round_rev = None, 0
+        else:
+            rnd, self._round_rev = RoundRecord.decode(entry.value), entry.revision
+        nodes = self.store.get_prefix(self.keys.nodes)
+        beats = self.store.get_prefix(self.keys.heartbeats)
+        alive: dict[str, tuple[NodeRecord, int]] = {}
+        registered = set()
+        for key, e in nodes.items():
+            node_id = key[len(self.keys.nodes):]
+            registered.add(node_id)
+            if self.keys.heartbeat(node_id) in beats:
+                alive[node_id] = (NodeRecord.decode(e.value), e.revision)
+        return rnd, alive, frozenset(registered)
+
+    def step(self, running: int | None) -> Action:
+        """Read the store, decide, and perform a proposal if that is the decision.
+
+        Returns the decided action; a performed proposal returns ``Wait`` so the caller
+        reads again (whether or not this agent's proposal won).
+        """
+        rnd, alive, registered = self._read()
+        self.round = rnd
+        now = self.clock.monotonic()
+        alive_set = frozenset(alive)
+        if alive_set != self._alive_set:
+            self._alive_set = alive_set
+            self._candidates_since = now
+        view = View(
+            me=self.me.node_id,
+            round=rnd,
+            alive=alive,
+            registered=registered,
+            running=running,
+            now=now,
+            candidates_since=self._candidates_since,
+        )
+        action = decide(view, self.settings)
+        if isinstance(action, Propose):
+            self._propose(action)
+            return Wait("proposed a new round")
+        if (
+            isinstance(action, Wait)
+            and (rnd is None or rnd.state not in (CLOSED, FAILED))
+            and running is None
+            and (rnd is None or len(rnd.members) < self.settings.min_nodes)
+            and now - self._joined_at > self.settings.join_timeout_s
+        ):
+            raise RendezvousTimeout(
+                f"rendezvous timed out after {self.settings.join_timeout_s:g}s: {len(alive)} node(s) "
+                f"present, --nnodes MIN is {self.settings.min_nodes}; start more nodes or lower MIN"
+            )
+        return action
+
+    def _propose(self, p: Propose) -> bool:
+        ok, _ = self.store.compare_and_set(self.keys.round, p.record.encode(), expected_revision=self._round_rev)
+        if ok:
+            rec = p.record
+            for n in p.lost:
+                self.events.emit("node_lost", node_id=n, round=rec.number)
+            for n in p.left:
+                self.events.emit("node_left", node_id=n, round=rec.number)
+            if rec.reason == "scale_up":
+                self.events.emit("scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members))
+            elif rec.reason in ("node_lost", "node_left"):
+                self.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
+            log.info("round %d proposed (%s): %s", rec.number, rec.reason, rec.member_ids or rec.state)
+        return ok
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the watched state may have changed, or ``timeout_s``."""
+        changed, _ = self.store.wait_for_change(self.keys.watched, self._since_rev, timeout_s)
+        return changed
+
+    # -- per-round master address ----------------------------------------------------------
+    def master_for(self, rnd: RoundRecord, timeout_s: float) -> MasterRecord | None:
+        """Rank 0's node publishes a fresh address; others wait for it (None: round moved on)."""
+        key = self.keys.master(rnd.number)
+        if rnd.group_rank(self.me.node_id) == 0:
+            rec = MasterRecord(self.me.addr, free_port(self.me.addr))
+            ok, current = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
+            if ok:
+                return rec
+            assert current is not None
+            return MasterRecord.decode(current.value)
+        deadline = self.clock.monotonic() + timeout_s
+        while True:
+            rev = self.store.revision()
+            entry = self.store.get(key)
+            if entry is not None:
+                return MasterRecord.decode(entry.value)
+            current = self.store.get(self.keys.round)
+            if current is None or RoundRecord.decode(current.value).number != rnd.number:
+                return None
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0:
+                return None
+            self.store.wait_for_change(self.keys.watched, rev, min(remaining, 1.0))
+
+    # -- failure and completion --------------------------------------------------------------
+    def report_failure(self, failed_round: int, root_cause: Mapping[str, Any]) -> RoundRecord:
+        """Start the next round after a worker failure (or end the job if restarts are spent)."""
+        while True:
+            rnd, alive, _ = self._read()
+            if rnd is None or rnd.number != failed_round or rnd.state != "running":
+                # Someone already moved on (another failure or a membership change).
+                assert rnd is not None
+                return rnd
+            rec = next_round(rnd, alive, self.settings, "failure", failure=True, root_cause=root_cause)
+            ok, _ = self.store.compare_and_set(self.keys.round, rec.encode(), expected_revision=self._round_rev)
+            if ok:
+                return rec
+
+    def close(self, running_round: int) -> None:
+        """Mark the job finished (no new rounds); idempotent."""
+        while True:
+            rnd, _, _ = self._read()
+            if rnd is None or rnd.state in (CLOSED, FAILED):
+                return
+            rec = RoundRecord(rnd.number, CLOSED, rnd.members, rnd.restarts, "finished")
+            ok, _ = self.store.compare_and_set(self.keys.round, rec.encode(), expected_revision=self._round_rev)
+            if ok:
+                return
+
+
