@@ -1,0 +1,35 @@
+"""flexrun.train: what a training script imports so that resuming is done once, right.
+
+Public API only. Works under ``flexrun run`` and plain ``torchrun`` (and plain ``python``
+as a single process); never imports ``flexrun.agent``: workers and agent talk only
+through the environment, the run directory and signals.
+"""
+
+from __future__ import annotations
+
+from flexrun.train.batch import BatchPlan
+from flexrun.train.checkpoint import Checkpointer, Loaded, Stateful
+from flexrun.train.commit import FencedError, Manifest
+from flexrun.train.context import TrainContext, current, init, shutdown
+from flexrun.train.env import WorkerEnv, read_env
+from flexrun.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
+from flexrun.train.preempt import PreemptionGuard
+from flexrun.train.sampler import ElasticSampler
+
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "BatchPlan",
+    "Checkpointer",
+    "ElasticSampler",
+    "FencedError",
+    "Loaded",
+    "Manifest",
+    "PreemptionGuard",
+    "Stateful",
+    "TrainContext",
+    "WorkerEnv",
+    "current",
+    "init",
+    "read_env",
+    "shutdown",
+]
