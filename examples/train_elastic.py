@@ -142,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.save(step, extra={"epoch": sampler.epoch}, blocking=step == args.steps)
             if ctx.is_main and step % 50 == 0:
                 print(
-                    f"step {step} epoch {sampler.epoch} loss/sample {loss_sum / 50 / args.global_batch:.4f}",
+                    f"step {step} epoch {sampler.epoch} loss/sample {loss_sum / max(loss_n, 1):.4f}",
                     flush=True,
                 )
-                loss_sum = 0.0
+                loss_sum, loss_n = 0.0, 0
             if args.crash_at_step is not None and step == args.crash_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if guard.should_stop():
