@@ -186,7 +186,7 @@ class ElasticAgent:
         results = self.group.poll()
         failed = [r for r in results if r.returncode != 0]
         if failed:
-            first = failed[0]
+            first = self.group.first_failure(failed)
             cause = self.group.root_cause(first)
             cause["node"] = self.me.node_id
             cause["round"] = self.running
@@ -200,6 +200,7 @@ class ElasticAgent:
             if rec.state == FAILED:
                 log.error("%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts)
             elif rec.state == RUNNING and rec.reason == "failure":
+                self.events.emit("restart", round=rec.number, reason="failure", restarts=rec.restarts)
                 log.warning(
                     "%s: %s; restarting (failure %d of at most %d)",
                     what, cause.get("message") or "", rec.restarts, self.config.rendezvous.max_restarts,

@@ -111,6 +111,48 @@ class _Tee(threading.Thread):
                 time.sleep(0.05)
 
 
+class _ExitClock(threading.Thread):
+    """Records when each worker exits (via pidfds), so the first failure is known exactly.
+
+    Polling every monitor interval would see two deaths a few milliseconds apart as
+    simultaneous; the root cause is the one that happened first.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        super().__init__(name="flexrun-exit-clock", daemon=True)
+        self.times: dict[int, float] = {}
+        self._fds: dict[int, int] = {}
+        for pid in pids:
+            try:
+                self._fds[os.pidfd_open(pid)] = pid
+            except (OSError, AttributeError):
+                continue  # no pidfd support: fall back to the time poll() noticed
+        self._wake_r, self._wake_w = os.pipe()
+
+    def run(self) -> None:
+        import select
+
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        pending = set(self._fds)
+        while pending:
+            for fd, _ in poller.poll():
+                if fd == self._wake_r:
+                    return
+                self.times.setdefault(self._fds[fd], time.time())
+                poller.unregister(fd)
+                pending.discard(fd)
+
+    def close(self) -> None:
+        os.write(self._wake_w, b"x")
+        self.join(timeout=2)
+        for fd in (*self._fds, self._wake_r, self._wake_w):
+            os.close(fd)
+        self._fds = {}
+
+
 class WorkerGroup:
     """The local workers of one round."""
 
@@ -118,6 +160,8 @@ class WorkerGroup:
         self.workers = workers
         self._tees = tees
         self._tee_done = tee_done
+        self._exit_clock = _ExitClock([w.proc.pid for w in workers])
+        self._exit_clock.start()
 
     @classmethod
     def start(
@@ -175,7 +219,8 @@ class WorkerGroup:
             if w.result is None:
                 rc = w.proc.poll()
                 if rc is not None:
-                    w.result = WorkerResult(w.local_rank, w.rank, w.proc.pid, rc, now)
+                    ended = self._exit_clock.times.get(w.proc.pid, now)
+                    w.result = WorkerResult(w.local_rank, w.rank, w.proc.pid, rc, ended)
         return sorted((w.result for w in self.workers if w.result is not None), key=lambda r: r.ended_at)
 
     def all_done(self) -> bool:
@@ -207,6 +252,7 @@ class WorkerGroup:
         self.close()
 
     def close(self) -> None:
+        self._exit_clock.close()
         self._tee_done.set()
         for t in self._tees:
             t.join(timeout=2)
@@ -214,6 +260,17 @@ class WorkerGroup:
             for f in w.files:
                 f.close()
             w.files.clear()
+
+    def first_failure(self, failed: Sequence[WorkerResult]) -> WorkerResult:
+        """The failure that caused the others: earliest, preferring non-consequential ones.
+
+        A peer's death makes its neighbours fail a few milliseconds later with "connection
+        closed by peer"; when failures are that close, those are not the root cause.
+        """
+        first = min(failed, key=lambda r: r.ended_at)
+        close = [r for r in failed if r.ended_at - first.ended_at < 1.0]
+        primary = [r for r in close if not _is_consequence(self.root_cause(r))]
+        return min(primary or close, key=lambda r: r.ended_at)
 
     def root_cause(self, result: WorkerResult) -> dict[str, Any]:
         """What made ``result``'s worker fail: error file, else the tail of its stderr."""
@@ -267,10 +324,23 @@ def _tail(path: Path, max_bytes: int = 8192) -> str:
 
 
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning)\b.*)$")
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s?)+")
+
+
+_CONSEQUENCES = (
+    "connection closed by peer", "connection reset by peer", "remote worker crashing",
+    "broken pipe", "socket closed", "connection refused",
+)
+
+
+def _is_consequence(cause: Mapping[str, Any]) -> bool:
+    text = f"{cause.get('message', '')}\n{cause.get('traceback', '')[-2000:]}".lower()
+    return any(c in text for c in _CONSEQUENCES)
 
 
 def _last_exception_line(text: str) -> str:
     for line in reversed(text.splitlines()):
-        if _EXC_LINE.match(line.strip()):
-            return line.strip()
+        line = _RANK_PREFIX.sub("", line.strip())
+        if _EXC_LINE.match(line):
+            return line
     return ""

@@ -1,0 +1,139 @@
+"""Helpers for integration tests: real processes, real signals, always cleaned up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+DDP_STEPS = SCRIPTS / "ddp_steps.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_progress(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    p = run_dir / "events.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive_pids(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+class Procs:
+    """Starts flexrun processes and guarantees they (and their trees) are gone afterwards."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[str]] = []
+        self.tree: set[int] = set()
+
+    def start(self, args: list[str], *, env: dict[str, str] | None = None, name: str = "p") -> subprocess.Popen[str]:
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        out = open(self.tmp / f"{name}.out", "w")  # noqa: SIM115
+        err = open(self.tmp / f"{name}.err", "w")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flexrun", *args],
+            stdout=out, stderr=err, text=True, env=full_env, start_new_session=True, cwd=self.tmp,
+        )
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def stderr(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text()
+
+    def remember_tree(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                self.tree.update(c.pid for c in descendants(p.pid))
+
+    def cleanup(self) -> None:
+        self.remember_tree()
+        for p in self.procs:
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            p.wait(timeout=30)
+        for pid in alive_pids(sorted(self.tree)):
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    ps = Procs(tmp_path)
+    try:
+        yield ps
+    finally:
+        ps.cleanup()
+
+
+@pytest.fixture
+def store_server(procs: Procs) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    proc = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store")
+    wait_for(lambda: "listening" in (procs.tmp / "store.out").read_text(), 30, "flexrun store to listen")
+    yield "127.0.0.1", port
+    proc.terminate()
+    proc.wait(timeout=10)

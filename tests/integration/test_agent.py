@@ -1,0 +1,163 @@
+"""The agent with real processes on one node: training, failures, signals, cleanup."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+
+
+def _worker_pids(agent_pid: int, n: int, timeout: float = 60) -> list[int]:
+    def find() -> list[int] | None:
+        kids = [p for p in descendants(agent_pid) if "ddp_steps.py" in " ".join(p.cmdline())]
+        return [p.pid for p in kids] if len(kids) >= n else None
+
+    return wait_for(find, timeout, f"{n} workers")  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(120)
+def test_unmodified_torchrun_script_trains_to_completion(procs: Procs) -> None:
+    progress = procs.tmp / "progress.jsonl"
+    agent = procs.start(
+        ["run", "--standalone", "--nproc_per_node", "2", "--run-dir", str(procs.tmp / "run"),
+         str(DDP_STEPS), "--steps", "10", "--progress", str(progress)],
+        name="agent",
+    )
+    assert agent.wait(timeout=100) == 0, procs.stderr("agent")
+    rows = read_progress(progress)
+    assert sorted({(r["rank"], r["step"]) for r in rows}) == [(r, s) for r in range(2) for s in range(10)]
+    assert {r["world"] for r in rows} == {2}
+    events = {e["event"] for e in read_events(procs.tmp / "run")}
+    assert {"rendezvous_completed", "worker_started", "worker_exited", "job_finished"} <= events
+
+
+@pytest.mark.timeout(900)
+def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs) -> None:
+    rng = random.Random(7)
+    for i in range(20):
+        progress = procs.tmp / f"progress{i}.jsonl"
+        ckpt = procs.tmp / f"ckpt{i}.pt"
+        name = f"agent{i}"
+        agent = procs.start(
+            ["run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
+             "--run-dir", str(procs.tmp / f"run{i}"), str(DDP_STEPS), "--steps", "12",
+             "--step-time", "0.05", "--ckpt", str(ckpt), "--ckpt-every", "2", "--progress", str(progress)],
+            name=name,
+        )
+        pids = _worker_pids(agent.pid, 4)
+        wait_for(lambda p=progress: any(r["step"] >= 1 for r in read_progress(p)), 60, "first steps")
+        victim = rng.choice(pids)
+        os.kill(victim, signal.SIGKILL)
+        assert agent.wait(timeout=120) == 0, f"iteration {i}: {procs.stderr(name)[-3000:]}"
+        rows = read_progress(progress)
+        last_attempt = max(r["attempt"] for r in rows)
+        assert last_attempt != min(r["attempt"] for r in rows), f"iteration {i}: no restart happened"
+        final = {(r["rank"], r["step"]) for r in rows if r["attempt"] == last_attempt}
+        assert {(r, 11) for r in range(4)} <= final, f"iteration {i}: did not complete"
+        assert alive_pids(pids) == []
+
+
+@pytest.mark.timeout(120)
+def test_max_restarts_2_with_a_failing_script_exits_1_after_exactly_3_attempts(procs: Procs) -> None:
+    run_dir = procs.tmp / "run"
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--run-dir", str(run_dir),
+         str(DDP_STEPS), "--fail-rank", "1"],
+        name="agent",
+    )
+    assert agent.wait(timeout=100) == 1
+    err = procs.stderr("agent")
+    assert "rank 1" in err and "ValueError: deliberate failure on rank 1" in err
+    events = read_events(run_dir)
+    failures = [e for e in events if e["event"] == "failure"]
+    assert len(failures) == 3
+    assert all(f["rank"] == 1 and "ValueError" in f["message"] for f in failures)
+    assert len({e["round"] for e in events if e["event"] == "rendezvous_completed"}) == 3
+    assert [e["event"] for e in events].count("restart") == 2
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_agent_forwards_to_workers_and_exits_143_leaving_nothing(procs: Procs) -> None:
+    marker = procs.tmp / "sigterm"
+    progress = procs.tmp / "progress.jsonl"
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "--stop-grace", "10", "--run-dir",
+         str(procs.tmp / "run"), str(DDP_STEPS), "--steps", "100000", "--step-time", "0.05",
+         "--progress", str(progress), "--on-sigterm", str(marker)],
+        name="agent",
+    )
+    pids = _worker_pids(agent.pid, 2)
+    wait_for(lambda: read_progress(progress), 60, "training to start")
+    tree = [p.pid for p in descendants(agent.pid)]
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 143
+    for rank in range(2):
+        assert (procs.tmp / f"sigterm.{rank}").exists(), "worker did not receive SIGTERM"
+    assert alive_pids(tree + pids) == []
+    assert any(e["event"] == "preempted" for e in read_events(procs.tmp / "run"))
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_of_a_standalone_agent_leaves_no_orphaned_worker(procs: Procs) -> None:
+    progress = procs.tmp / "progress.jsonl"
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "--run-dir", str(procs.tmp / "run"),
+         str(DDP_STEPS), "--steps", "100000", "--progress", str(progress)],
+        name="agent",
+    )
+    pids = _worker_pids(agent.pid, 2)
+    wait_for(lambda: read_progress(progress), 60, "training to start")
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=10)
+    wait_for(lambda: alive_pids(pids) == [], 5, "workers to die with their agent")
+
+
+@pytest.mark.timeout(60)
+def test_workers_see_the_full_torchrun_environment(procs: Procs) -> None:
+    script = procs.tmp / "env.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "keys = ['RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','GROUP_RANK','GROUP_WORLD_SIZE',"
+        "'ROLE_NAME','ROLE_RANK','ROLE_WORLD_SIZE','MASTER_ADDR','MASTER_PORT','TORCHELASTIC_RESTART_COUNT',"
+        "'TORCHELASTIC_MAX_RESTARTS','TORCHELASTIC_RUN_ID','TORCHELASTIC_ERROR_FILE',"
+        "'TORCH_NCCL_ASYNC_ERROR_HANDLING','OMP_NUM_THREADS','FLEXRUN_ROUND','FLEXRUN_RUN_DIR']\n"
+        "json.dump({k: os.environ.get(k) for k in keys}, open(sys.argv[1] + os.environ['RANK'], 'w'))\n"
+    )
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--role", "trainer",
+         "--rdzv-id", "envjob", "--run-dir", str(procs.tmp / "run"), str(script), str(procs.tmp / "env")],
+        name="agent",
+    )
+    assert agent.wait(timeout=50) == 0, procs.stderr("agent")
+    import json
+
+    envs = [json.loads((procs.tmp / f"env{r}").read_text()) for r in range(2)]
+    for r, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(r)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+        assert env["ROLE_NAME"] == "trainer" and env["TORCHELASTIC_RUN_ID"] == "envjob"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "1"
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["OMP_NUM_THREADS"] == "1"
+        assert env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json") and env["FLEXRUN_ROUND"] == "1"
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+@pytest.mark.timeout(60)
+def test_module_and_no_python_entrypoints(procs: Procs) -> None:
+    pkg = procs.tmp / "mymod.py"
+    pkg.write_text("import os; open('mod' + os.environ['RANK'], 'w').write('ok')\n")
+    agent = procs.start(["run", "--standalone", "--nproc-per-node", "2", "-m", "mymod"], name="m",
+                        env={"PYTHONPATH": str(procs.tmp)})
+    assert agent.wait(timeout=50) == 0, procs.stderr("m")
+    assert (procs.tmp / "mod0").exists() and (procs.tmp / "mod1").exists()
+    agent = procs.start(["run", "--standalone", "--no-python", "sh", "-c", "echo hi > nopy$RANK"], name="n")
+    assert agent.wait(timeout=50) == 0, procs.stderr("n")
+    assert (procs.tmp / "nopy0").read_text().strip() == "hi"
+    _ = psutil, time
