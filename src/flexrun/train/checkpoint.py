@@ -314,6 +314,7 @@ class Checkpointer:
         skipped: list[int] = []
         loaded: tuple[Manifest, dict[str, Any]] | None = None
         failure: str | None = None
+        reasons: list[str] = []
         if self._ctx.is_main:
             candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
             for s in candidates:
@@ -323,10 +324,14 @@ class Checkpointer:
                     break
                 except CheckpointError as exc:
                     skipped.append(s)
+                    reasons.append(str(exc))
                     self._emit("checkpoint_fallback", step=s, reason=str(exc))
                     log.warning("checkpoint step %d unusable, falling back: %s", s, exc)
             if chosen is None and candidates:
-                failure = f"no checkpoint in {self._root} verifies (tried {candidates})"
+                failure = (
+                    f"no checkpoint in {self._root} verifies (tried {candidates}): "
+                    + "; ".join(reasons)
+                )
         decision = self._broadcast((chosen, failure))
         chosen, failure = decision
         if failure is not None:

@@ -60,10 +60,10 @@ class WorkerEnv:
         return self.master_addr is not None and self.master_port is not None
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+def _opt_int(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name)
     if raw is None or raw == "":
-        return default
+        return None
     try:
         return int(raw)
     except ValueError as exc:
@@ -77,15 +77,20 @@ def read_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         ConfigError: a variable is present but malformed (e.g. ``RANK=abc``).
     """
     env = os.environ if environ is None else environ
-    world_size = _int(env, "WORLD_SIZE", 1) or 1
-    restart_count = _int(env, "TORCHELASTIC_RESTART_COUNT", 0) or 0
-    rnd = _int(env, "FLEXRUN_ROUND", None)
-    port = _int(env, "MASTER_PORT", None)
+
+    def _int(name: str, default: int) -> int:
+        value = _opt_int(env, name)
+        return default if value is None else value
+
+    world_size = _int("WORLD_SIZE", 1)
+    restart_count = _int("TORCHELASTIC_RESTART_COUNT", 0)
+    rnd = _opt_int(env, "FLEXRUN_ROUND")
+    port = _opt_int(env, "MASTER_PORT")
     return WorkerEnv(
-        rank=_int(env, "RANK", 0) or 0,
+        rank=_int("RANK", 0),
         world_size=world_size,
-        local_rank=_int(env, "LOCAL_RANK", 0) or 0,
-        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size) or world_size,
+        local_rank=_int("LOCAL_RANK", 0),
+        local_world_size=_int("LOCAL_WORLD_SIZE", world_size),
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=port,
         restart_count=restart_count,
