@@ -355,7 +355,17 @@ def _checkpoint_pvc(spec: JobSpec) -> list[Manifest]:
 def render(spec: JobSpec) -> list[Manifest]:
     """Every object of the job, in the order ``kubectl apply`` should create them."""
     store = _etcd_store(spec) if spec.store.type == "etcd" else _tcp_store(spec)
-    return [*_checkpoint_pvc(spec), *store, render_pytorchjob(spec)]
+    return [_fresh(m) for m in (*_checkpoint_pvc(spec), *store, render_pytorchjob(spec))]
+
+
+def _fresh(value: Any) -> Any:
+    # Builders reuse dicts (the labels of a selector and its pods); callers that edit one
+    # manifest must not silently edit another place. deepcopy would keep the sharing.
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    return value
 
 
 def to_yaml(manifests: list[Manifest]) -> str:
