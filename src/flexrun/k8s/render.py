@@ -80,10 +80,26 @@ def _off_spot_affinity(spec: JobSpec) -> dict[str, Any]:
     }
 
 
+#: Seconds of the pod's grace period kept back for the agent itself to exit after workers.
+AGENT_EXIT_MARGIN_S = 10
+
+
+def stop_grace_s(spec: JobSpec) -> int:
+    """The agent's ``--stop-grace``: SIGTERM to SIGKILL for workers, inside the pod's grace."""
+    return spec.grace_period_s - AGENT_EXIT_MARGIN_S
+
+
 def _worker_container(spec: JobSpec) -> dict[str, Any]:
-    args = ["-m", spec.module] if spec.module is not None else [str(spec.script)]
+    # Only what the operator does not inject: this pod's address (the launcher's default,
+    # 127.0.0.1, is unreachable from other pods) and a worker stop grace that fits inside
+    # the pod's, so a final checkpoint is not cut short by the agent's own SIGKILL.
+    args = ["--local-addr", "$(POD_IP)", "--stop-grace", str(stop_grace_s(spec))]
+    args += ["-m", spec.module] if spec.module is not None else [str(spec.script)]
     args += list(spec.args)
-    env = [{"name": k, "value": v} for k, v in spec.env]
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    ]
+    env += [{"name": k, "value": v} for k, v in spec.env]
     if spec.checkpoint is not None:
         env.append({"name": "FLEXRUN_CHECKPOINT_DIR", "value": spec.checkpoint.mount_path})
     requests: dict[str, Any] = {}
@@ -100,8 +116,7 @@ def _worker_container(spec: JobSpec) -> dict[str, Any]:
         "command": ["flexrun", "run"],
         "args": args,
     }
-    if env:
-        container["env"] = env
+    container["env"] = env
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
     if resources:
         container["resources"] = resources

@@ -65,6 +65,9 @@ OPERATOR_ENV = frozenset(
     }
 )
 
+#: Variables render sets on the worker container itself.
+RENDER_ENV = frozenset({"POD_IP", "FLEXRUN_CHECKPOINT_DIR"})
+
 #: Shortest grace period that leaves room for a final checkpoint after SIGTERM.
 MIN_GRACE_PERIOD_S = 30
 
@@ -303,6 +306,8 @@ class JobSpec:
         for key, _ in self.env:
             if not _ENV_NAME.match(key):
                 raise _fail(f"spec.env.{key}", "is not a valid environment variable name")
+            if key in RENDER_ENV:
+                raise _fail(f"spec.env.{key}", "is set by flexrun k8s render; remove it")
             if key in OPERATOR_ENV:
                 raise _fail(
                     f"spec.env.{key}",

@@ -120,6 +120,16 @@ def test_workers_are_elastic_exitcode_spot_pods_running_flexrun_run(store: str) 
         a.startswith(("--nnodes", "--nproc", "--rdzv", "--max-restarts")) for a in container["args"]
     )
     assert not {e["name"] for e in container.get("env", [])} & OPERATOR_ENV
+    # What the operator does not inject: the pod's own address, and a worker stop grace
+    # that fits inside the pod's grace period.
+    assert container["args"][:4] == [
+        "--local-addr",
+        "$(POD_IP)",
+        "--stop-grace",
+        str(spec.grace_period_s - 10),
+    ]
+    pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     gpu = spec.resources.gpu
     assert container["resources"]["limits"]["nvidia.com/gpu"] == gpu
 
@@ -134,7 +144,7 @@ def test_checkpoint_pvc_is_created_shared_and_mounted() -> None:
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     vol = {v["name"]: v for v in pod["volumes"]}["checkpoints"]
     assert vol["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["FLEXRUN_CHECKPOINT_DIR"] == "/ckpt"
 
 
