@@ -192,9 +192,14 @@ class ElasticAgent:
             cause["round"] = self.running
             for r in results:
                 self._emit_exit(r)
-            self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
             failed_round = self.running
+            peers = self.rdzv.round.members if self.rdzv.round is not None else ()
+            consequence = len(peers) > 1 and all(self.group.is_consequence(r) for r in failed)
             self._stop_workers(RESTART_GRACE_S, reason="worker failure", productive=False)
+            if consequence and self._peer_moved_on(failed_round):
+                log.info("rank %d lost a peer; following the new round (not counted as a failure)", first.rank)
+                return None
+            self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
             rec = self.rdzv.report_failure(failed_round, cause)
             what = f"rank {first.rank} failed ({_describe(first)})"
             if rec.state == FAILED:
@@ -213,6 +218,23 @@ class ElasticAgent:
             self.rdzv.close(self.running if self.running is not None else 0)
             return 0
         return None
+
+    def _peer_moved_on(self, failed_round: int) -> bool:
+        """After a local failure caused by a vanished peer, wait up to one heartbeat timeout
+        for the rendezvous to notice the peer (lost node, or its own failure report).
+
+        A membership change is not a failure: only if nothing changes in that time does
+        this node count the failure against --max-restarts.
+        """
+        settings = self.config.rendezvous
+        deadline = self.clock.monotonic() + settings.heartbeat_timeout_s + 2 * settings.heartbeat_interval_s
+        while self.clock.monotonic() < deadline:
+            self.rdzv.step(failed_round)
+            rnd = self.rdzv.round
+            if rnd is None or rnd.number != failed_round:
+                return True
+            self.rdzv.wait(min(settings.heartbeat_interval_s, max(deadline - self.clock.monotonic(), 0.01)))
+        return False
 
     def _emit_exit(self, r: WorkerResult) -> None:
         self.events.emit(

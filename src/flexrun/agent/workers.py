@@ -272,6 +272,10 @@ class WorkerGroup:
         primary = [r for r in close if not _is_consequence(self.root_cause(r))]
         return min(primary or close, key=lambda r: r.ended_at)
 
+    def is_consequence(self, result: WorkerResult) -> bool:
+        """True if the worker failed because a peer went away (not a failure of its own)."""
+        return _is_consequence(self.root_cause(result))
+
     def root_cause(self, result: WorkerResult) -> dict[str, Any]:
         """What made ``result``'s worker fail: error file, else the tail of its stderr."""
         w = next(w for w in self.workers if w.rank == result.rank)

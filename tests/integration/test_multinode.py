@@ -1,0 +1,79 @@
+"""Several agents as several nodes on one machine, sharing a standalone `flexrun store`."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+
+HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
+
+
+def _agent(procs: Procs, store: tuple[str, int], name: str, progress, *extra: str):  # type: ignore[no-untyped-def]
+    host, port = store
+    return procs.start(
+        ["run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "job", "--rdzv-conf", HB,
+         "--max-restarts", "0", "--node-id", name, "--run-dir", str(procs.tmp / f"run-{name}"),
+         *extra, str(DDP_STEPS), "--steps", "100000", "--step-time", "0.05", "--progress", str(progress)],
+        name=name,
+    )
+
+
+def _worlds_after(progress, ts: float) -> set[int]:  # type: ignore[no-untyped-def]
+    return {r["world"] for r in read_progress(progress) if r["ts"] > ts}
+
+
+@pytest.mark.timeout(240)
+def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it_back(
+    procs: Procs, store_server: tuple[str, int]
+) -> None:
+    progress = procs.tmp / "progress.jsonl"
+    a = _agent(procs, store_server, "a", progress)
+    b = _agent(procs, store_server, "b", progress)
+    wait_for(lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)")
+
+    tree_a = [p.pid for p in descendants(a.pid)]
+    os.killpg(a.pid, signal.SIGKILL)  # the agent and its workers: a lost node
+    a.wait(timeout=10)
+    import time
+
+    t_kill = time.time()
+    wait_for(lambda: 2 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2")
+    assert b.poll() is None
+    wait_for(lambda: alive_pids(tree_a) == [], 10, "the lost node's workers to be gone")
+
+    t_join = time.time()
+    c = _agent(procs, store_server, "c", progress)
+    wait_for(lambda: 4 in _worlds_after(progress, t_join), 90, "the job to grow back to 2 nodes")
+    assert b.poll() is None and c.poll() is None
+    events = read_events(procs.tmp / "run-b")
+    kinds = [e["event"] for e in events]
+    assert "node_lost" in kinds or any(e["event"] == "scale_down" for e in read_events(procs.tmp / "run-c"))
+    assert "scale_up" in kinds or "scale_up" in [e["event"] for e in read_events(procs.tmp / "run-c")]
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_node_is_removed_within_the_heartbeat_timeout(
+    procs: Procs, store_server: tuple[str, int]
+) -> None:
+    import time
+
+    progress = procs.tmp / "progress.jsonl"
+    a = _agent(procs, store_server, "a", progress)
+    b = _agent(procs, store_server, "b", progress)
+    wait_for(lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)")
+    os.killpg(a.pid, signal.SIGSTOP)  # agent and workers frozen: alive but silent
+    t_stop = time.time()
+    wait_for(lambda: 2 in _worlds_after(progress, t_stop + 0.5), 60, "survivors re-formed without the stopped node")
+    rounds = [e for e in read_events(procs.tmp / "run-b") if e["event"] == "rendezvous_completed"]
+    last = rounds[-1]
+    assert last["members"] == ["b"] and last["world_size"] == 2
+    # Detection took about the heartbeat timeout (3 s) plus a restart, not a collective timeout.
+    lost = [e for e in read_events(procs.tmp / "run-b") if e["event"] == "node_lost"]
+    assert lost and lost[-1]["node_id"] == "a"
+    assert lost[-1]["ts"] - t_stop < 15
+    assert b.poll() is None
+    os.killpg(a.pid, signal.SIGCONT)
