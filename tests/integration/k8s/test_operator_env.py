@@ -207,8 +207,12 @@ def test_rendered_pods_form_one_job_survive_a_spot_reclaim_and_scale_back_up(
         code = a.wait(timeout=60)
         assert code == 143, pods.log("sim-worker-0")
         assert exit_code_policy_retries(code)  # the operator re-creates the pod
-        assert list(tmp_path.glob("sigterm.*")), "the worker never saw SIGTERM (no final checkpoint)"
-        _wait_for(lambda: 1 in _worlds_since(progress, t_kill + 0.5), 90, "the survivor to continue")
+        assert list(tmp_path.glob("sigterm.*")), (
+            "the worker never saw SIGTERM (no final checkpoint)"
+        )
+        _wait_for(
+            lambda: 1 in _worlds_since(progress, t_kill + 0.5), 90, "the survivor to continue"
+        )
         assert b.poll() is None, pods.log("sim-worker-1")
 
         # New capacity: a new pod joins and the job grows back.
