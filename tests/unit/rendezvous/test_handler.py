@@ -1,0 +1,48 @@
+"""The handler against the in-memory store with a fake clock: proposals race safely."""
+
+from __future__ import annotations
+
+from flexrun.config import RendezvousSettings
+from flexrun.observe.events import EventLog
+from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run, Wait
+from flexrun.store.memory import MemoryStore
+from flexrun.testing import FakeClock
+
+
+def _handler(store: MemoryStore, node: str, clock: FakeClock, s: RendezvousSettings) -> RendezvousHandler:
+    h = RendezvousHandler(store, run_id="job", me=NodeRecord(node, "127.0.0.1", 1), settings=s,
+                          events=EventLog(None, run_id="job", node=node), clock=clock)
+    h._beat()  # one keep-alive, no thread: the test drives time
+    store.put(h.keys.node(node), h.me.encode())
+    return h
+
+
+def test_two_nodes_form_one_round_and_both_run_it() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(min_nodes=2, max_nodes=2, last_call_s=0)
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    assert isinstance(a.step(None), Wait)  # proposed
+    assert isinstance(b.step(None), Run)
+    act = a.step(None)
+    assert isinstance(act, Run) and act.round.member_ids == ["a", "b"] and act.round.number == 1
+
+
+def test_a_silent_node_is_dropped_after_the_heartbeat_timeout() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(min_nodes=1, max_nodes=2, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3)
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    a.step(None)
+    assert isinstance(a.step(None), Run)
+    for _ in range(2):
+        clock.advance(1)
+        a._beat()  # b stays silent
+        assert isinstance(a.step(1), Wait)
+        assert a.round is not None and a.round.number == 1
+    clock.advance(1.5)
+    a._beat()
+    a.step(1)  # proposes the survivors' round
+    act = a.step(1)
+    assert isinstance(act, Run) and act.round.member_ids == ["a"] and act.round.number == 2
+    assert b.round is None or b.round.number == 1
