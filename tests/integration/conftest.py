@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -107,10 +108,8 @@ class Procs:
         for p in self.procs:
             if p.poll() is None:
                 for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
             p.wait(timeout=30)
         for pid in alive_pids(sorted(self.tree)):
             try:
