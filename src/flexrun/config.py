@@ -322,7 +322,7 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         nproc_per_node=nproc,
         run_id=run_id,
         node_id=a["node_id"] or default_node_id(),
-        local_addr=a["local_addr"] or "127.0.0.1",
+        local_addr=a["local_addr"] or _default_local_addr(endpoints),
         role=a["role"],
         run_dir=run_dir.absolute(),
         log_dir=Path(a["log_dir"]).absolute() if a["log_dir"] else None,
@@ -333,6 +333,13 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         rendezvous=rdzv,
         environ=dict(environ),
     )
+
+
+def _default_local_addr(endpoints: tuple[tuple[str, int], ...]) -> str:
+    """Loopback for one-machine jobs; else this host's name, as torchrun does."""
+    if not endpoints or endpoints[0][0] in _LOCAL_NAMES or endpoints[0][0].startswith("127."):
+        return "127.0.0.1"
+    return socket.getfqdn()
 
 
 def env_default(environ: Mapping[str, str], option: str, default: str | None) -> str | None:
