@@ -27,7 +27,28 @@ def _tcp() -> Iterator[Store]:
     server.close()
 
 
-BACKENDS = {"memory": _memory, "tcp": _tcp}
+def _etcd() -> Iterator[Store]:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
+
+    if etcd_binary() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{MISSING}; CI must run the etcd contract tests")
+        pytest.skip(MISSING)
+    from flexrun.store.etcd import EtcdStore
+
+    with tempfile.TemporaryDirectory() as root, EtcdCluster(Path(root)) as cluster:
+        client = EtcdStore(cluster.endpoints, connect_timeout_s=10)
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+BACKENDS = {"memory": _memory, "tcp": _tcp, "etcd": _etcd}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
