@@ -143,6 +143,7 @@ class EtcdStore:
         self.endpoints = tuple(endpoints)
         self._protocol = "https" if (https or cacert or cert) else "http"
         self._cacert, self._cert, self._key = cacert, cert, key
+        self._verify: str | bool = cacert if cacert is not None else True
         self._user, self._password = user, password
         self._request_timeout_s = request_timeout_s
         self._clock = clock
@@ -231,7 +232,8 @@ class EtcdStore:
         return client
 
     def _post(self, client: Etcd3Client, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-        result = client.post(client.get_url(path), json=payload)
+        # verify is passed per request: requests lets REQUESTS_CA_BUNDLE override session.verify.
+        result = client.post(client.get_url(path), json=payload, verify=self._verify)
         return result if isinstance(result, dict) else {}
 
     def _call(self, op: Callable[[Etcd3Client], T]) -> T:
@@ -319,7 +321,8 @@ class EtcdStore:
                 client.get_url("/auth/authenticate"),
                 json={"name": self._user, "password": self._password},
                 timeout=self._request_timeout_s,
-                headers={"Authorization": ""},
+                headers={"Authorization": None},  # None drops the session's header
+                verify=self._verify,
             )
         except requests.RequestException as exc:
             raise StoreUnavailable(f"etcd at {client.host}:{client.port}: {_detail(exc)}") from exc
@@ -511,7 +514,7 @@ class EtcdStore:
         remaining = max(0.01, deadline - self._clock.monotonic())
         try:
             resp = client.session.post(
-                client.get_url("/watch"), json=request, stream=True,
+                client.get_url("/watch"), json=request, stream=True, verify=self._verify,
                 timeout=(min(remaining, self._request_timeout_s), remaining),
             )
         except requests.Timeout as exc:

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -41,13 +42,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _status(port: int, timeout_s: float = 1.0) -> dict[str, object] | None:
+def _status(port: int, timeout_s: float = 1.0, tls: ssl.SSLContext | None = None) -> dict[str, object] | None:
+    scheme = "https" if tls is not None else "http"
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v3/maintenance/status", data=b"{}", method="POST",
+        f"{scheme}://127.0.0.1:{port}/v3/maintenance/status", data=b"{}", method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=tls) as resp:
             body = json.loads(resp.read())
     except (OSError, ValueError, urllib.error.URLError):
         return None
@@ -57,7 +59,17 @@ def _status(port: int, timeout_s: float = 1.0) -> dict[str, object] | None:
 class EtcdCluster:
     """``size`` etcd members on 127.0.0.1; a context manager that always kills them all."""
 
-    def __init__(self, data_root: Path, *, size: int = 1, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        data_root: Path,
+        *,
+        size: int = 1,
+        binary: str | None = None,
+        tls: tuple[Path, Path, Path] | None = None,
+    ) -> None:
+        """``tls``: (CA, server cert, server key) PEM files; clients must then present a
+        certificate signed by that CA (``--client-cert-auth``) and the same files serve as
+        the client's own for the readiness probe."""
         found = binary or etcd_binary()
         if found is None:
             raise FileNotFoundError(MISSING)
@@ -67,6 +79,11 @@ class EtcdCluster:
         self.client_ports = [_free_port() for _ in range(size)]
         self.peer_ports = [_free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        self.tls = tls
+        self._ctx: ssl.SSLContext | None = None
+        if tls is not None:
+            self._ctx = ssl.create_default_context(cafile=str(tls[0]))
+            self._ctx.load_cert_chain(str(tls[1]), str(tls[2]))
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:
@@ -79,10 +96,15 @@ class EtcdCluster:
 
     def _args(self, i: int) -> list[str]:
         cluster = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
+        scheme = "https" if self.tls is not None else "http"
+        client = f"{scheme}://127.0.0.1:{self.client_ports[i]}"
         peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        tls_args: list[str] = []
+        if self.tls is not None:
+            ca, cert, key = (str(p) for p in self.tls)
+            tls_args = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
         return [
-            self.binary, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
+            self.binary, *tls_args, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
@@ -118,7 +140,7 @@ class EtcdCluster:
                 proc = self.procs[i]
                 if proc is not None and proc.poll() is not None:
                     raise RuntimeError(f"etcd member m{i} exited ({proc.returncode}): {self.log_tail(i)}")
-            statuses = [_status(self.client_ports[i]) for i in todo]
+            statuses = [_status(self.client_ports[i], tls=self._ctx) for i in todo]
             if all(s is not None and int(str(s.get("leader", 0))) for s in statuses):
                 return
             if time.monotonic() > deadline:
@@ -130,7 +152,7 @@ class EtcdCluster:
         for i, port in enumerate(self.client_ports):
             if self.procs[i] is None:
                 continue
-            s = _status(port)
+            s = _status(port, tls=self._ctx)
             if s is None:
                 continue
             header = s.get("header")
