@@ -315,13 +315,14 @@ class EtcdStore:
             delay = min(delay * 2, 1.0)
 
     def _authenticate(self, client: Etcd3Client) -> None:
+        no_token: dict[str, Any] = {"Authorization": None}  # None drops the session's header
         try:
             # The auth call itself must go without a (possibly expired) token.
             resp = client.session.post(
                 client.get_url("/auth/authenticate"),
                 json={"name": self._user, "password": self._password},
                 timeout=self._request_timeout_s,
-                headers={"Authorization": None},  # None drops the session's header
+                headers=no_token,
                 verify=self._verify,
             )
         except requests.RequestException as exc:
