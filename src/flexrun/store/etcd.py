@@ -71,6 +71,7 @@ from flexrun.store.api import Entry
 _INTERNAL = "__flexrun/"
 _LEASE_META = "__flexrun/lease/"
 _REV_PROBE = "__flexrun/rev"
+_ATTEMPT_S = 1.0
 OPTIONS = ("cacert", "cert", "key", "tls", "user", "password", "request_timeout")
 
 T = TypeVar("T")
@@ -245,6 +246,11 @@ class EtcdStore:
         """
         deadline = self._clock.monotonic() + self._request_timeout_s
         delay = 0.05
+        # A request that reaches a member while the cluster elects a leader is held by etcd
+        # for its own request timeout (about 6 s) before failing; give up on an attempt
+        # much sooner and try the next member, doubling the allowance each round so that
+        # a large read on a busy cluster still completes.
+        attempt_s = _ATTEMPT_S
         n = len(self.endpoints)
         last: BaseException | None = None
         reauthed = False
@@ -253,31 +259,34 @@ class EtcdStore:
             for i in range(n):
                 idx = (start + i) % n
                 client = self._client(idx)
+                client.timeout = max(0.05, min(attempt_s, deadline - self._clock.monotonic()))
                 try:
-                    result = op(client)
-                except gw_exc.ConnectionFailedError as exc:
-                    # Refused/reset, or 503 (no leader, request timed out inside etcd).
-                    last = exc
-                    continue
-                except gw_exc.ConnectionTimeoutError as exc:
+                    try:
+                        result = op(client)
+                    except gw_exc.Etcd3Exception as exc:
+                        if (
+                            type(exc) is not gw_exc.Etcd3Exception
+                            or self._user is None
+                            or reauthed
+                            or "token" not in _detail(exc).lower()
+                        ):
+                            raise
+                        # etcd expired our auth token: get a new one and retry once.
+                        reauthed = True
+                        self._authenticate(client)
+                        result = op(self._client(idx))
+                except (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError) as exc:
+                    # Refused/reset, timed out, or 503 (no leader): try the next member.
                     last = exc
                     continue
                 except gw_exc.Etcd3Exception as exc:
-                    detail = _detail(exc)
-                    if self._user is not None and not reauthed and "token" in detail.lower():
-                        reauthed = True
-                        self._authenticate(client)
-                        try:
-                            result = op(self._client(idx))
-                        except gw_exc.Etcd3Exception as exc2:
-                            raise StoreError(f"etcd at {client.host}:{client.port}: {_detail(exc2)}") from exc2
-                    else:
-                        raise StoreError(f"etcd at {client.host}:{client.port}: {detail}") from exc
+                    raise StoreError(f"etcd at {client.host}:{client.port}: {_detail(exc)}") from exc
                 except requests.RequestException as exc:
                     last = exc
                     continue
                 self._current = idx
                 return result
+            attempt_s *= 2
             if self._clock.monotonic() + delay > deadline:
                 reason = _detail(last) if last is not None else "no answer"
                 raise StoreUnavailable(
@@ -516,7 +525,7 @@ class EtcdStore:
         try:
             resp = client.session.post(
                 client.get_url("/watch"), json=request, stream=True, verify=self._verify,
-                timeout=(min(remaining, self._request_timeout_s), remaining),
+                timeout=(min(remaining, float(client.timeout or remaining)), remaining),
             )
         except requests.Timeout as exc:
             raise gw_exc.ConnectionTimeoutError(str(exc)) from exc
