@@ -54,19 +54,22 @@ import base64
 import contextlib
 import json
 import math
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import requests
 from etcd3gw import exceptions as gw_exc
 from etcd3gw.client import Etcd3Client
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.config import StoreSettings
 from flexrun.errors import ConfigError, StoreError, StoreUnavailable
 from flexrun.store.api import Entry
+
+if TYPE_CHECKING:  # the store layer takes settings from above but never imports config at run time
+    from flexrun.config import StoreSettings
 
 _INTERNAL = "__flexrun/"
 _LEASE_META = "__flexrun/lease/"
@@ -102,8 +105,14 @@ def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
 
+_ROOT_CAUSE = re.compile(r"\[Errno -?\d+\] [^'\")]+|\[SSL: [^\]]+\][^'\")(]*|Read timed out|timed out")
+
+
 def _detail(exc: BaseException) -> str:
     detail = getattr(exc, "detail_text", None) or str(exc) or type(exc).__name__
+    found = _ROOT_CAUSE.search(detail)  # requests nests the OS error deep in its message
+    if found:
+        return found.group(0).strip()
     try:
         parsed = json.loads(detail)
         if isinstance(parsed, dict):
