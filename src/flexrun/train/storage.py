@@ -27,11 +27,17 @@ class HashingWriter:
         self._raw = raw
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None
+        """The first I/O error, kept because serializers (torch's zip writer) may rewrap it."""
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.sha256.update(view)
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         n = len(view) if written is None else written
         self.size += n
         return n
@@ -115,6 +121,7 @@ class LocalStorage:
     """A directory on a local or shared POSIX filesystem."""
 
     def write_file(self, path: str, writer: Any) -> tuple[int, str]:
+        hw: HashingWriter | None = None
         try:
             with open(path, "wb", buffering=1 << 20) as raw:
                 hw = HashingWriter(raw)
@@ -123,8 +130,11 @@ class LocalStorage:
                 os.fsync(raw.fileno())
             fsync_dir(os.path.dirname(path) or ".")
             return hw.size, hw.sha256.hexdigest()
-        except OSError as exc:
-            raise _fail("write", path, exc) from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:  # OSError, or a serializer's rewrap of one
+            cause = hw.error if hw is not None and hw.error is not None else exc
+            raise _fail("write", path, cause) from exc
 
     def read_bytes(self, path: str) -> bytes:
         try:
@@ -179,6 +189,7 @@ class FsspecStorage:
         self._fs = fs
 
     def write_file(self, path: str, writer: Any) -> tuple[int, str]:
+        hw: HashingWriter | None = None
         try:
             with self._fs.open(path, "wb") as raw:
                 hw = HashingWriter(raw)
@@ -187,7 +198,8 @@ class FsspecStorage:
         except CheckpointError:
             raise
         except Exception as exc:  # fsspec backends raise their own types
-            raise _fail("write", path, exc) from exc
+            cause = hw.error if hw is not None and hw.error is not None else exc
+            raise _fail("write", path, cause) from exc
 
     def read_bytes(self, path: str) -> bytes:
         try:
