@@ -152,3 +152,30 @@ def test_tls_with_a_client_certificate_is_used_and_a_missing_one_is_refused(tmp_
             store.close()
         with pytest.raises(StoreUnavailable):
             EtcdStore(cluster.endpoints, cacert=str(f["ca.pem"]), connect_timeout_s=1)
+
+
+def test_a_restarted_etcd_on_the_same_data_dir_serves_the_same_client_and_keeps_its_keys(
+    etcd1: EtcdCluster,
+) -> None:
+    store = EtcdStore(etcd1.endpoints, connect_timeout_s=10, request_timeout_s=1)
+    try:
+        store.put("job/nodes/a", b"A")
+        store.put("job/hb/a", b"1", ttl_s=5)
+        etcd1.kill(0)
+        with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{etcd1.client_ports[0]}"):
+            store.put("job/hb/a", b"1", ttl_s=5)
+        etcd1.start_member(0)
+        etcd1.wait_ready(30)
+        rev = store.put("job/hb/a", b"1", ttl_s=5)  # the same lease, kept by the restarted member
+        assert set(store.get_prefix("job/")) == {"job/nodes/a", "job/hb/a"}
+        assert store.get("job/hb/a").revision == rev  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_a_prefix_range_ends_after_every_key_with_that_prefix() -> None:
+    from flexrun.store.etcd import _range_end
+
+    assert _range_end("job/") == b"job0"
+    assert _range_end("a\u00ff") == "a\u00ff".encode()[:-1] + b"\xc0"
+    assert _range_end("") == b"\0"  # etcd: from the key to the end of the keyspace
