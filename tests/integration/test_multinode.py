@@ -77,3 +77,40 @@ def test_a_stopped_node_is_removed_within_the_heartbeat_timeout(
     assert lost[-1]["ts"] - t_stop < 15
     assert b.poll() is None
     os.killpg(a.pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_store(procs: Procs) -> None:
+    import time
+
+    from conftest import free_port
+
+    port = free_port()
+    store = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store1")
+    wait_for(lambda: "listening" in (procs.tmp / "store1.out").read_text(), 30, "store")
+    progress = procs.tmp / "progress.jsonl"
+    a = _agent(procs, ("127.0.0.1", port), "a", progress)
+    wait_for(lambda: read_progress(progress), 90, "training to start")
+
+    store.kill()
+    store.wait(timeout=10)
+    t_down = time.time()
+    time.sleep(4)  # longer than the heartbeat timeout: nothing may react to the outage but logs
+    during = [r for r in read_progress(progress) if r["ts"] > t_down + 0.5]
+    assert during and {r["attempt"] for r in during} == {"1"}, "training stopped while the store was down"
+    assert a.poll() is None
+
+    store2 = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store2")
+    wait_for(lambda: "listening" in (procs.tmp / "store2.out").read_text(), 30, "restarted store")
+    wait_for(lambda: "store_recovered" in [e["event"] for e in read_events(procs.tmp / "run-a")], 30,
+             "the agent to reconnect")
+    kinds = [e["event"] for e in read_events(procs.tmp / "run-a")]
+    assert "store_unavailable" in kinds and ("store_rejoined" in kinds or "round_restored" in kinds)
+    assert {r["attempt"] for r in read_progress(progress)} == {"1"}, "the outage restarted the workers"
+
+    # The restored store is live: a second node can join and the job grows to world size 4.
+    t_join = time.time()
+    _agent(procs, ("127.0.0.1", port), "b", progress)
+    wait_for(lambda: 4 in _worlds_after(progress, t_join), 90, "the job to grow after the store came back")
+    assert a.poll() is None
+    store2.terminate()

@@ -21,6 +21,7 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.spec import worker_envs
 from flexrun.agent.workers import WorkerGroup, WorkerResult, build_command
 from flexrun.config import RunConfig
+from flexrun.errors import StoreUnavailable
 from flexrun.observe.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
@@ -56,6 +57,9 @@ class ElasticAgent:
         self._started = clock.monotonic()
         self._productive_s = 0.0
         self._run_started = 0.0
+        self._outage_since: float | None = None
+        self._outage_tries = 0
+        self._pending_failure: tuple[int, dict[str, Any], bool] | None = None
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
@@ -112,26 +116,62 @@ class ElasticAgent:
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> int:
-        interval = self.config.monitor_interval_s
         while True:
-            if self.group is not None:
-                outcome = self._check_workers()
-                if outcome is not None:
-                    return outcome
-            action = self.rdzv.step(self.running)
-            if isinstance(action, Run):
-                self._start_round(action.round)
+            try:
+                code = self._tick()
+            except StoreUnavailable as exc:
+                self._on_outage(exc)
                 continue
-            if isinstance(action, Stop):
-                log.info("stopping workers: %s", action.reason)
-                self._stop_workers(RESTART_GRACE_S, reason=action.reason)
-                continue
-            if isinstance(action, Exit):
-                self._stop_workers(RESTART_GRACE_S, reason=action.reason)
-                if action.code != 0:
-                    _print_root_cause(action.root_cause, action.reason)
-                return action.code
+            if self._outage_since is not None:
+                down = self.clock.monotonic() - self._outage_since
+                log.warning("store reachable again after %.1fs", down)
+                self.events.emit("store_recovered", down_s=round(down, 3))
+                self._outage_since, self._outage_tries = None, 0
+            if code is not None:
+                return code
+
+    def _tick(self) -> int | None:
+        """One pass: settle a pending failure, check workers, follow the rendezvous."""
+        if self._pending_failure is not None:
+            self._settle_failure(*self._pending_failure)
+            self._pending_failure = None
+        if self.group is not None:
+            outcome = self._check_workers()
+            if outcome is not None:
+                return outcome
+            if self._pending_failure is not None:
+                return None
+        action = self.rdzv.step(self.running)
+        if isinstance(action, Run):
+            self._start_round(action.round)
+        elif isinstance(action, Stop):
+            log.info("stopping workers: %s", action.reason)
+            self._stop_workers(RESTART_GRACE_S, reason=action.reason)
+        elif isinstance(action, Exit):
+            self._stop_workers(RESTART_GRACE_S, reason=action.reason)
+            if action.code != 0:
+                _print_root_cause(action.root_cause, action.reason)
+            return action.code
+        else:
+            interval = self.config.monitor_interval_s
             self.rdzv.wait(interval if self.group is not None else max(interval, 0.5))
+        return None
+
+    def _on_outage(self, exc: StoreUnavailable) -> None:
+        """The store is unreachable: keep the workers (their process group is formed),
+        retry with backoff, and only give up when no workers run for a join timeout."""
+        now = self.clock.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+            if self.group is not None:
+                log.warning("store unreachable (%s); workers keep training, retrying", exc)
+            else:
+                log.warning("store unreachable (%s); waiting for it: no membership change can happen meanwhile", exc)
+            self.events.emit("store_unavailable", error=str(exc), workers_running=self.group is not None)
+        elif self.group is None and now - self._outage_since > self.config.rendezvous.join_timeout_s:
+            raise exc
+        self._outage_tries += 1
+        self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))
 
     def _start_round(self, rnd: RoundRecord) -> None:
         if self.group is not None:
@@ -196,28 +236,38 @@ class ElasticAgent:
             peers = self.rdzv.round.members if self.rdzv.round is not None else ()
             consequence = len(peers) > 1 and all(self.group.is_consequence(r) for r in failed)
             self._stop_workers(RESTART_GRACE_S, reason="worker failure", productive=False)
-            if consequence and self._peer_moved_on(failed_round):
-                log.info("rank %d lost a peer; following the new round (not counted as a failure)", first.rank)
-                return None
-            self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
-            rec = self.rdzv.report_failure(failed_round, cause)
-            what = f"rank {first.rank} failed ({_describe(first)})"
-            if rec.state == FAILED:
-                log.error("%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts)
-            elif rec.state == RUNNING and rec.reason == "failure":
-                self.events.emit("restart", round=rec.number, reason="failure", restarts=rec.restarts)
-                log.warning(
-                    "%s: %s; restarting (failure %d of at most %d)",
-                    what, cause.get("message") or "", rec.restarts, self.config.rendezvous.max_restarts,
-                )
+            self._pending_failure = (failed_round, cause, consequence)
+            self._settle_failure(*self._pending_failure)
+            self._pending_failure = None
             return None
         if self.group.all_done():
             for r in results:
                 self._emit_exit(r)
+            finished = self.running
             self._stop_workers(0, reason="finished")
-            self.rdzv.close(self.running if self.running is not None else 0)
+            try:
+                self.rdzv.close(finished)
+            except StoreUnavailable as exc:
+                log.warning("workers finished, but the store could not be told (%s)", exc)
             return 0
         return None
+
+    def _settle_failure(self, failed_round: int, cause: dict[str, Any], consequence: bool) -> None:
+        """Count a local failure against --max-restarts, unless a peer's loss explains it."""
+        if consequence and self._peer_moved_on(failed_round):
+            log.info("rank %s lost a peer; following the new round (not counted as a failure)", cause["rank"])
+            return
+        rec = self.rdzv.report_failure(failed_round, cause)
+        self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
+        what = f"rank {cause['rank']} failed ({_describe_cause(cause)})"
+        if rec.state == FAILED:
+            log.error("%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts)
+        elif rec.state == RUNNING and rec.reason == "failure":
+            self.events.emit("restart", round=rec.number, reason="failure", restarts=rec.restarts)
+            log.warning(
+                "%s: %s; restarting (failure %d of at most %d)",
+                what, cause.get("message") or "", rec.restarts, self.config.rendezvous.max_restarts,
+            )
 
     def _peer_moved_on(self, failed_round: int) -> bool:
         """After a local failure caused by a vanished peer, wait up to one heartbeat timeout
@@ -254,8 +304,8 @@ class ElasticAgent:
         self.running = None
 
 
-def _describe(r: WorkerResult) -> str:
-    return f"killed by {r.signal_name}" if r.signal_name else f"exit code {r.exit_code}"
+def _describe_cause(cause: dict[str, Any]) -> str:
+    return f"killed by {cause['signal']}" if cause.get("signal") else f"exit code {cause.get('exit_code')}"
 
 
 def _print_root_cause(cause: dict[str, Any] | Any, reason: str) -> None:

@@ -27,7 +27,7 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
     """
     if settings.backend in BACKENDS_ETCD:
         try:
-            from flexrun.store import etcd  # type: ignore[attr-defined]
+            from flexrun.store import etcd
         except ImportError as exc:
             raise ConfigError(
                 f"--rdzv-backend {settings.backend}: the etcd backend is not available in this "

@@ -39,6 +39,9 @@ class View:
     now: float
     candidates_since: float
     """When the set of alive nodes last changed (starts the last-call window)."""
+    settle_until: float = 0.0
+    """After the store lost its state (restarted), members are not declared gone before
+    this time: they need a keep-alive interval or two to re-register."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,7 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
 
     if r is not None and r.state == RUNNING:
         members = r.member_ids
-        gone = [m for m in members if m not in alive]
+        gone = [m for m in members if m not in alive] if view.now >= view.settle_until else []
         if gone:
             left = tuple(m for m in gone if m not in view.registered)
             lost = tuple(m for m in gone if m in view.registered)

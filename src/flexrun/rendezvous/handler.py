@@ -59,6 +59,8 @@ class RendezvousHandler:
         self.events = events
         self.clock = clock
         self.round: RoundRecord | None = None
+        self._known_round: RoundRecord | None = None
+        self._settle_until = 0.0
         self._round_rev = 0
         self._since_rev = 0
         self._alive_set: frozenset[str] = frozenset()
@@ -132,8 +134,25 @@ class RendezvousHandler:
         reads again (whether or not this agent's proposal won).
         """
         rnd, alive, registered = self._read()
-        self.round = rnd
         now = self.clock.monotonic()
+        if self.me.node_id not in registered and not self._stop.is_set():
+            # The store lost our record (it restarted): register again.
+            self.store.put(self.keys.node(self.me.node_id), self.me.encode())
+            self._beat()
+            self._settle_until = now + self.settings.heartbeat_timeout_s
+            self.events.emit("store_rejoined", node_id=self.me.node_id)
+            log.warning("the store lost this node's record (restarted?): registered again")
+            rnd, alive, registered = self._read()
+        if rnd is None and running is not None and self._known_round is not None:
+            # The round we train in vanished with the store's state: restore it, so that a
+            # store restart costs the running job nothing (first writer wins, all agree).
+            self.store.compare_and_set(self.keys.round, self._known_round.encode(), expected_revision=0)
+            self._settle_until = now + self.settings.heartbeat_timeout_s
+            self.events.emit("round_restored", round=self._known_round.number)
+            rnd, alive, registered = self._read()
+        self.round = rnd
+        if rnd is not None:
+            self._known_round = rnd
         alive_set = frozenset(alive)
         if alive_set != self._alive_set:
             self._alive_set = alive_set
@@ -146,6 +165,7 @@ class RendezvousHandler:
             running=running,
             now=now,
             candidates_since=self._candidates_since,
+            settle_until=self._settle_until,
         )
         action = decide(view, self.settings)
         if isinstance(action, Propose):

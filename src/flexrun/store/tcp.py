@@ -127,38 +127,46 @@ class TcpStore:
         self._clock = clock
         self._op_timeout = timedelta(seconds=op_timeout_s)
         probe(host, port, connect_timeout_s, clock)
-        dist = _dist()
-        try:
-            self._base = dist.TCPStore(host, port, None, False, self._op_timeout)
-        except (RuntimeError, OSError) as exc:
-            raise StoreUnavailable(f"cannot connect to the store at {host}:{port}: {exc}".splitlines()[0]) from exc
         self._local = threading.local()
-        self._local.client = self._base
+        self._local.client = self._connect()
         self._seen_lock = threading.Lock()
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
+    def _connect(self) -> Any:
+        """A new client socket (TCPStore clients are not safe to share across threads)."""
+        dist = _dist()
+        try:
+            return dist.TCPStore(self.host, self.port, None, False, self._op_timeout)
+        except (RuntimeError, OSError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StoreUnavailable(f"cannot connect to the store at {self.host}:{self.port}: {first}") from exc
+
     def _c(self) -> Any:
         if self._closed:
             raise StoreUnavailable("store client is closed")
         client = getattr(self._local, "client", None)
         if client is None:
-            # TCPStore clients are not safe to share across threads: one socket each.
-            try:
-                client = self._base.clone()
-            except RuntimeError as exc:
-                raise StoreUnavailable(f"store at {self.host}:{self.port} unreachable: {exc}") from exc
+            # After a lost connection (or in a new thread): reconnect, failing fast if the
+            # server is down so callers can back off and retry.
+            probe(self.host, self.port, 1.0, self._clock)
+            client = self._connect()
             self._local.client = client
         return client
+
+    def _broken(self, exc: RuntimeError) -> StoreUnavailable:
+        # Drop this thread's socket: the next call reconnects (e.g. to a restarted store).
+        self._local.client = None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return StoreUnavailable(f"store at {self.host}:{self.port} failed: {first}")
 
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
         except RuntimeError as exc:  # DistStoreError/DistNetworkError derive from it
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise StoreUnavailable(f"store at {self.host}:{self.port} failed: {first}") from exc
+            raise self._broken(exc) from exc
 
     def _next_rev(self) -> int:
         return int(self._call(self._c().add, _REV_KEY, 1))
@@ -271,9 +279,7 @@ class TcpStore:
                 c.wait([f"{_EV_PREFIX}{seen + 1}"], timedelta(seconds=min(remaining, 5.0)))
             except RuntimeError as exc:
                 if type(exc).__name__ == "DistNetworkError" or "timeout" not in str(exc).lower():
-                    raise StoreUnavailable(
-                        f"store at {self.host}:{self.port} failed: {str(exc).splitlines()[0]}"
-                    ) from exc
+                    raise self._broken(exc) from exc
 
     def close(self) -> None:
         self._closed = True
