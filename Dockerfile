@@ -1,0 +1,30 @@
+# flexrun image: the launcher, the store and the training library, with etcd support.
+#   docker build -t flexrun:0.1.0 .                                  # CUDA torch from PyPI
+#   docker build --build-arg TORCH_SPEC="torch==2.13.0" \
+#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t flexrun:cpu .
+# Your training image can start FROM this one and COPY its script in.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src ./src
+# The same install steps as the README (`pip install -e '.[...]'`), as a wheel.
+RUN python -m pip wheel --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE} AS runtime
+ARG TORCH_SPEC="torch>=2.4"
+ARG TORCH_INDEX=""
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN if [ -n "$TORCH_INDEX" ]; then python -m pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; \
+    else python -m pip install "$TORCH_SPEC"; fi
+COPY --from=build /wheels /wheels
+RUN python -m pip install "$(ls /wheels/flexrun-*.whl)[etcd]" && rm -rf /wheels
+RUN useradd --create-home --uid 10001 flexrun && mkdir -p /checkpoints && chown flexrun /checkpoints
+USER 10001
+WORKDIR /home/flexrun
+# 29400: `flexrun store`. Workers need no fixed port (each round picks a fresh MASTER_PORT).
+EXPOSE 29400
+ENTRYPOINT ["flexrun"]
+CMD ["--help"]
