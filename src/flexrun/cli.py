@@ -106,7 +106,11 @@ def _cmd_store(ns: argparse.Namespace) -> int:
 
 
 # Subcommands contributed by other layers: each module exposes add_parser(subparsers).
-_EXTRA_COMMANDS: tuple[str, ...] = ("flexrun.k8s.commands",)
+_EXTRA_COMMANDS: tuple[str, ...] = (
+    "flexrun.k8s.commands",
+    "flexrun.observe.commands",
+    "flexrun.pipeline.commands",
+)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -121,7 +125,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     for name in _EXTRA_COMMANDS:
         try:
             mod = importlib.import_module(name)
-        except ImportError:
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise  # the command exists but something it imports is missing: say so
             continue
         add: Callable[[argparse._SubParsersAction], None] = mod.add_parser
         add(sub)
