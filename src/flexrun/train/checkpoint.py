@@ -169,6 +169,11 @@ class Checkpointer:
     def directory(self) -> str:
         return self._root
 
+    @property
+    def persisting(self) -> bool:
+        """True while a background persist is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
     def steps(self) -> list[int]:
         """Committed (not necessarily verified) checkpoint steps, ascending."""
         return list_steps(self._storage, self._root)
@@ -251,7 +256,8 @@ class Checkpointer:
         raise CheckpointError(f"background checkpoint save failed: {err!r}") from err
 
     def _persist_bg(self, step: int, payload: dict[str, Any], stall_s: float) -> None:
-        _lower_thread_priority()
+        # Runs at normal priority on purpose: a niced thread that holds the GIL while
+        # descheduled stalls the training thread (measured: +39% step time vs +5%).
         try:
             self._persist(step, payload, stall_s)
         except BaseException as exc:  # handed to the training thread on its next call
@@ -409,11 +415,3 @@ def _torch_writer(obj: Any) -> Any:
         torch.save(obj, f)
 
     return write
-
-
-def _lower_thread_priority() -> None:
-    """Let the training threads win the CPU against persisting (Linux: per-thread nice)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError) as exc:  # not Linux, or not permitted: run at normal priority
-        log.debug("could not lower checkpoint thread priority: %s", exc)

@@ -1,0 +1,127 @@
+"""Checkpoint stall and background slowdown, async (flexrun.train) vs synchronous torch.save.
+
+For a ~50M-parameter model with Adam state, in one process and one run:
+
+1. baseline training step time (median);
+2. synchronous save: ``torch.save`` of model+optimizer state, ``fsync``; the loop is
+   blocked for all of it;
+3. async save with :class:`flexrun.train.Checkpointer`: the stall (time inside ``save()``,
+   the host copy) and the step time of training steps that run while the checkpoint
+   persists in the background.
+
+Usage: python bench/bench_checkpoint.py [--dir DIR] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from flexrun.train import Checkpointer
+from flexrun.train.context import single_process_context
+
+
+def build(width: int, depth: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> float:
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    root = args.dir or tempfile.mkdtemp(prefix="flexrun-bench-")
+    os.makedirs(root, exist_ok=True)
+    model, opt = build(args.width, args.depth)
+    x = torch.randn(args.batch, args.width)
+    params = sum(p.numel() for p in model.parameters())
+    for _ in range(3):
+        step(model, opt, x)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    print(f"model: {params / 1e6:.1f}M parameters, Adam; state ~{state_bytes / 2**20:.0f} MiB")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
+
+    base = [step(model, opt, x) for _ in range(10)]
+    base_s = statistics.median(base)
+    print(f"baseline step: median {base_s * 1e3:.1f} ms over {len(base)} steps")
+
+    syncs = [sync_save(model, opt, os.path.join(root, "sync.pt")) for _ in range(args.repeats)]
+    sync_s = statistics.median(syncs)
+    print(f"sync torch.save+fsync: median {sync_s:.3f} s  ({', '.join(f'{s:.3f}' for s in syncs)})")
+
+    ck = Checkpointer(os.path.join(root, "async"), ctx=single_process_context(), keep_last=1)
+    ck.register("model", model)
+    ck.register("optim", opt)
+    stalls, persists, bg_steps = [], [], []
+    for i in range(args.repeats + 1):
+        t0 = time.perf_counter()
+        ck.save(i + 1)
+        stall = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        during = []
+        while ck.persisting:
+            during.append(step(model, opt, x))
+        ck.wait()
+        persist = time.perf_counter() - t1
+        tag = "first (allocates host buffers)" if i == 0 else "steady"
+        print(
+            f"async save {i + 1} [{tag}]: stall {stall * 1e3:.1f} ms, persisted in {persist:.2f} s "
+            f"while {len(during)} steps ran (median {statistics.median(during) * 1e3 if during else 0:.1f} ms)"
+        )
+        if i > 0:
+            stalls.append(stall)
+            persists.append(persist)
+            bg_steps += during
+        after = [step(model, opt, x) for _ in range(3)]
+        base += after
+    base_s = statistics.median(base)
+    ck.close()
+
+    stall_s = statistics.median(stalls)
+    bg_s = statistics.median(bg_steps) if bg_steps else float("nan")
+    print()
+    print(f"stall (steady, median)            : {stall_s * 1e3:.1f} ms")
+    print(f"sync save (median)                : {sync_s * 1e3:.1f} ms")
+    print(f"stall / sync save                 : {stall_s / sync_s * 100:.1f} %   (target <= 5 %)")
+    print(f"step, no persist (median)         : {base_s * 1e3:.1f} ms")
+    print(f"step, persisting (median, n={len(bg_steps)}) : {bg_s * 1e3:.1f} ms")
+    print(
+        f"background slowdown per step      : {(bg_s / base_s - 1) * 100:+.1f} %   (target <= 10 %)"
+    )
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
