@@ -1,0 +1,567 @@
+"""``flexrun report``: from the event logs of a run to one self-contained ``report.html``.
+
+Owns merging event logs (one per node, possibly in separate run directories), turning
+them into a :class:`RunAnalysis` (incidents with cause and recovery time, productive
+time, ETTR, time lost per cause, the world-size and throughput timeline), and rendering
+that as HTML with PNG figures (matplotlib, Agg) embedded as base64 so the page opens
+offline. It does not emit events and does not read the store.
+
+Incidents. Every event that interrupts training (``failure``, ``preempted``,
+``hang_detected``, ``node_lost``, ``node_left``, ``scale_down``, ``scale_up``) is a
+trigger. Triggers are grouped by the round that ended the interruption (the first round
+whose workers started after the round they interrupted), so one kill -9 that makes every
+node re-form is one incident, and a preempted node's departure seen by the survivors
+(``node_left`` + ``scale_down``) belongs to its ``preempted`` incident. The cause is the
+earliest trigger's; the recovery duration runs from it until the last node of the new
+round has started its workers. A store outage (``store_unavailable`` ->
+``store_recovered``) is an incident that interrupts no training.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flexrun.errors import ConfigError
+from flexrun.observe.events import EVENTS_FILE, read_events
+from flexrun.observe.metrics import failure_cause
+
+REPORT_FILE = "report.html"
+TIMELINE_PNG = "report_timeline.png"
+LOST_PNG = "report_time_lost.png"
+
+_RUNNING_ROUND_TRIGGERS = frozenset({"failure", "preempted", "hang_detected"})
+_NEW_ROUND_TRIGGERS = frozenset({"node_lost", "node_left", "scale_down", "scale_up"})
+
+
+@dataclass(slots=True)
+class Incident:
+    cause: str
+    ts: float
+    node: str
+    detail: str
+    interrupted_round: int | None
+    recovered_round: int | None = None
+    recovered_ts: float | None = None
+    world_before: int | None = None
+    world_after: int | None = None
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.recovered_ts is None else max(self.recovered_ts - self.ts, 0.0)
+
+
+@dataclass(slots=True)
+class RunAnalysis:
+    run_ids: list[str]
+    nodes: list[str]
+    start_ts: float
+    end_ts: float
+    productive_s: float
+    startup_s: float
+    incidents: list[Incident]
+    rounds: dict[int, dict[str, Any]]
+    """round -> {ts (all workers up), world_size, members, reason}."""
+    throughput: list[tuple[float, float]]
+    """(ts, steps/s) from ``train_metrics`` events."""
+    marks: list[tuple[float, str, str]]
+    """(ts, kind, label): failures, restarts, joins, checkpoints, preemptions."""
+    node_finish: dict[str, dict[str, Any]]
+    """node -> its ``job_finished`` fields (exit code, its own ETTR)."""
+    checkpoints: list[dict[str, Any]]
+    resources: dict[str, dict[str, Any]]
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.end_ts - self.start_ts, 0.0)
+
+    @property
+    def ettr(self) -> float | None:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+    def lost_by_cause(self) -> dict[str, float]:
+        lost: dict[str, float] = {}
+        if self.startup_s > 0:
+            lost["startup"] = self.startup_s
+        for inc in self.incidents:
+            if inc.cause == "store_outage":
+                continue  # training went on
+            d = inc.duration_s
+            if d is None:  # never recovered: lost until the end of the run
+                d = max(self.end_ts - inc.ts, 0.0)
+            lost[inc.cause] = lost.get(inc.cause, 0.0) + d
+        return lost
+
+
+# -- loading ------------------------------------------------------------------------------
+def find_event_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Event logs under ``paths``: files as given, directories searched recursively.
+
+    Raises:
+        ConfigError: a path does not exist or holds no event log.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_file():
+            found.append(p)
+        elif p.is_dir():
+            files = sorted(q for q in p.rglob(EVENTS_FILE) if q.is_file())
+            if not files:
+                raise ConfigError(f"{p}: no {EVENTS_FILE} in this directory or below it")
+            found.extend(files)
+        else:
+            raise ConfigError(f"{p}: no such file or directory (pass a run directory)")
+    unique: dict[Path, Path] = {}
+    for f in found:
+        unique.setdefault(f.resolve(), f)
+    return list(unique.values())
+
+
+def load_events(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """Every event of every log under ``paths``, merged by timestamp, exact duplicates once."""
+    seen: set[str] = set()
+    out: list[dict[str, Any]] = []
+    for f in find_event_files(paths):
+        for e in read_events(f):
+            if not isinstance(e, dict) or "ts" not in e or "event" not in e:
+                continue
+            key = json.dumps(e, sort_keys=True, default=str)
+            if key not in seen:
+                seen.add(key)
+                out.append(e)
+    out.sort(key=lambda e: float(e["ts"]))
+    return out
+
+
+# -- analysis -----------------------------------------------------------------------------
+def _detail(e: Mapping[str, Any]) -> str:
+    kind = e.get("event")
+    if kind == "failure":
+        how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exit_code')}"
+        msg = str(e.get("message") or "").strip().splitlines()
+        tail = f": {msg[-1][:160]}" if msg and msg[-1] != f"killed by {e.get('signal')}" else ""
+        return f"rank {e.get('rank')} on {e.get('node')} {how}{tail}"
+    if kind == "preempted":
+        return f"agent {e.get('node')} received {e.get('signal') or 'a signal'}"
+    if kind in ("node_lost", "node_left"):
+        return (
+            f"node {e.get('node_id')} {'stopped heart-beating' if kind == 'node_lost' else 'left'}"
+        )
+    if kind == "scale_up":
+        return f"{', '.join(e.get('joined') or []) or 'a node'} joined ({e.get('nodes')} nodes)"
+    if kind == "scale_down":
+        return f"down to {e.get('nodes')} nodes"
+    if kind == "hang_detected":
+        return f"rank {e.get('rank')} on {e.get('node')} made no progress"
+    if kind == "store_unavailable":
+        return f"store unreachable from {e.get('node')}: {str(e.get('error') or '')[:120]}"
+    return str(kind)
+
+
+def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
+    """Turn merged, time-ordered events into incidents, rounds, timeline and ETTR."""
+    if not events:
+        raise ConfigError("the event log is empty: nothing to report")
+    from flexrun.observe.resources import summarize_resources
+
+    events = sorted(events, key=lambda e: float(e["ts"]))
+    start_ts = float(events[0]["ts"])
+    finishes = [e for e in events if e["event"] == "job_finished"]
+    end_ts = float(finishes[-1]["ts"]) if finishes else float(events[-1]["ts"])
+
+    rounds: dict[int, dict[str, Any]] = {}
+    starting: dict[int, float] = {}
+    for e in events:
+        r = e.get("round")
+        if r is None:
+            continue
+        if e["event"] == "rendezvous_completed":
+            info = rounds.setdefault(int(r), {"ts": float(e["ts"]), "world_size": 0, "members": []})
+            info["ts"] = max(info["ts"], float(e["ts"]))  # the round is up once every node is
+            info["first_ts"] = min(info.get("first_ts", float(e["ts"])), float(e["ts"]))
+            info["world_size"] = int(e.get("world_size") or 0)
+            info["members"] = list(e.get("members") or [])
+            info["reason"] = e.get("reason", "")
+        elif e["event"] == "rendezvous_started":
+            starting[int(r)] = min(starting.get(int(r), float(e["ts"])), float(e["ts"]))
+    round_numbers = sorted(rounds)
+
+    def recovery_round(after: int | None) -> int | None:
+        for n in round_numbers:
+            if after is None or n > after:
+                return n
+        return None
+
+    incidents: dict[Any, Incident] = {}
+    outages: list[Incident] = []
+    open_outage: dict[str, Incident] = {}
+    for e in events:
+        kind = e["event"]
+        ts = float(e["ts"])
+        if kind == "store_unavailable":
+            inc = Incident("store_outage", ts, str(e.get("node")), _detail(e), e.get("round"))
+            open_outage.setdefault(str(e.get("node")), inc)
+            continue
+        if kind == "store_recovered" and str(e.get("node")) in open_outage:
+            inc = open_outage.pop(str(e.get("node")))
+            inc.recovered_ts = ts
+            outages.append(inc)
+            continue
+        if kind not in _RUNNING_ROUND_TRIGGERS and kind not in _NEW_ROUND_TRIGGERS:
+            continue
+        r = e.get("round")
+        if kind in _RUNNING_ROUND_TRIGGERS:
+            after = None if r is None else int(r)
+        else:
+            after = None if r is None else int(r) - 1
+        target = recovery_round(after)
+        key: Any = ("round", target) if target is not None else ("open", after)
+        found = incidents.get(key)
+        if found is None:
+            inc = Incident(failure_cause(e), ts, str(e.get("node")), _detail(e), after)
+            inc.recovered_round = target
+            if target is not None:
+                inc.recovered_ts = rounds[target]["ts"]
+                inc.world_after = rounds[target]["world_size"]
+            if after is not None and after in rounds:
+                inc.world_before = rounds[after]["world_size"]
+            incidents[key] = inc
+        else:
+            inc = found
+        inc.events.append(kind)
+    outages.extend(open_outage.values())
+    all_incidents = sorted([*incidents.values(), *outages], key=lambda i: i.ts)
+
+    # Productive time: from a round being up on every node to the next interruption.
+    stops = sorted(
+        [i.ts for i in all_incidents if i.cause != "store_outage"]
+        + [t for n, t in starting.items() if n > min(round_numbers, default=0)]
+        + [end_ts]
+    )
+    productive = 0.0
+    for n in round_numbers:
+        up = rounds[n]["ts"]
+        nxt = next((t for t in stops if t > up), end_ts)
+        productive += max(nxt - up, 0.0)
+    startup = (rounds[round_numbers[0]]["ts"] - start_ts) if round_numbers else end_ts - start_ts
+
+    marks: list[tuple[float, str, str]] = []
+    throughput: list[tuple[float, float]] = []
+    checkpoints: list[dict[str, Any]] = []
+    for e in events:
+        kind, ts = e["event"], float(e["ts"])
+        if kind == "failure":
+            marks.append((ts, "failure", _detail(e)))
+        elif kind == "restart":
+            marks.append((ts, "restart", f"restart ({e.get('reason')})"))
+        elif kind == "node_joined":
+            marks.append((ts, "join", f"{e.get('node_id') or e.get('node')} joined"))
+        elif kind == "checkpoint_saved":
+            marks.append((ts, "checkpoint", f"checkpoint step {e.get('step')}"))
+            checkpoints.append(dict(e))
+        elif kind in ("preempted", "node_lost", "hang_detected"):
+            marks.append((ts, kind, _detail(e)))
+        elif kind == "train_metrics" and e.get("steps_per_s") is not None:
+            throughput.append((ts, float(e["steps_per_s"])))
+    return RunAnalysis(
+        run_ids=sorted({str(e.get("run_id")) for e in events if e.get("run_id")}),
+        nodes=sorted({str(e.get("node")) for e in events if e.get("node")}),
+        start_ts=start_ts,
+        end_ts=end_ts,
+        productive_s=productive,
+        startup_s=max(startup, 0.0),
+        incidents=all_incidents,
+        rounds=rounds,
+        throughput=throughput,
+        marks=marks,
+        node_finish={str(e.get("node")): dict(e) for e in finishes},
+        checkpoints=checkpoints,
+        resources=summarize_resources(events),
+    )
+
+
+# -- figures ------------------------------------------------------------------------------
+_MARK_STYLE = {
+    "failure": ("x", "tab:red"),
+    "restart": ("|", "tab:orange"),
+    "join": ("^", "tab:green"),
+    "checkpoint": (".", "tab:blue"),
+    "preempted": ("v", "tab:purple"),
+    "node_lost": ("X", "tab:brown"),
+    "hang_detected": ("s", "tab:pink"),
+}
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def plot_timeline(a: RunAnalysis) -> bytes:
+    """World size and steps/s over time, incidents shaded, events marked; PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    t0 = a.start_ts
+    fig = Figure(figsize=(10, 5.5))
+    ax1, ax2 = fig.subplots(2, 1, sharex=True)
+    # world size: the round's size while it trains, 0 while (re)forming
+    xs, ys = [0.0], [0]
+    for n in sorted(a.rounds):
+        xs.append(a.rounds[n]["ts"] - t0)
+        ys.append(a.rounds[n]["world_size"])
+    for inc in a.incidents:
+        if inc.cause != "store_outage":
+            xs.append(inc.ts - t0)
+            ys.append(0)
+    pts = sorted(zip(xs, ys, strict=True))
+    pts.append((a.end_ts - t0, pts[-1][1] if pts else 0))
+    ax1.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="tab:blue", lw=2)
+    ax1.set_ylabel("world size (workers)")
+    ax1.set_ylim(bottom=0, top=max([p[1] for p in pts] + [1]) * 1.25)
+    ax1.grid(alpha=0.3)
+    for inc in a.incidents:
+        end = inc.recovered_ts if inc.recovered_ts is not None else a.end_ts
+        color = "tab:gray" if inc.cause == "store_outage" else "tab:red"
+        for ax in (ax1, ax2):
+            ax.axvspan(inc.ts - t0, end - t0, color=color, alpha=0.15, lw=0)
+        ax1.annotate(inc.cause, (inc.ts - t0, ax1.get_ylim()[1] * 0.9), fontsize=8, color=color)
+    if a.throughput:
+        ax2.plot([t - t0 for t, _ in a.throughput], [v for _, v in a.throughput], color="tab:green")
+    else:
+        ax2.text(
+            0.5,
+            0.5,
+            "no throughput reported (train_metrics events)",
+            ha="center",
+            va="center",
+            transform=ax2.transAxes,
+            color="gray",
+        )
+    ax2.set_ylabel("steps/s")
+    ax2.set_xlabel("seconds since the run started")
+    ax2.grid(alpha=0.3)
+    seen: set[str] = set()
+    top = max([v for _, v in a.throughput] + [1.0])
+    for ts, kind, _label in a.marks:
+        marker, color = _MARK_STYLE.get(kind, ("o", "black"))
+        ax2.scatter(
+            [ts - t0],
+            [top * 1.08],
+            marker=marker,
+            color=color,
+            s=40,
+            label=kind if kind not in seen else None,
+            zorder=3,
+        )
+        seen.add(kind)
+    ax2.set_ylim(bottom=0, top=top * 1.2)
+    if seen:
+        ax2.legend(loc="lower right", fontsize=8, ncols=min(len(seen), 4))
+    ax1.set_title(f"run {', '.join(a.run_ids)}: world size and throughput")
+    return _png(fig)
+
+
+def plot_lost(a: RunAnalysis) -> bytes:
+    """Time lost per cause next to productive time; PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    lost = a.lost_by_cause()
+    labels = ["productive", *lost]
+    values = [a.productive_s, *lost.values()]
+    colors = ["tab:green"] + ["tab:red"] * len(lost)
+    fig = Figure(figsize=(7, 3.2))
+    ax = fig.subplots()
+    ax.barh(labels, values, color=colors)
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.1f}s", va="center", fontsize=8)
+    ettr = f"{a.ettr:.1%}" if a.ettr is not None else "n/a"
+    ax.set_title(f"ETTR {ettr} of {a.wall_s:.1f}s wall time")
+    ax.set_xlabel("seconds")
+    ax.invert_yaxis()
+    return _png(fig)
+
+
+# -- HTML ---------------------------------------------------------------------------------
+def _fmt_s(v: float | None) -> str:
+    return "not recovered" if v is None else f"{v:.2f} s"
+
+
+def _table(head: Iterable[str], rows: Iterable[Iterable[Any]]) -> str:
+    h = "".join(f"<th>{html.escape(str(c))}</th>" for c in head)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(a: RunAnalysis, figures: Mapping[str, bytes]) -> str:
+    """The report page; ``figures`` maps a caption to PNG bytes (embedded as base64)."""
+    import time
+
+    def when(ts: float) -> str:
+        return f"+{ts - a.start_ts:.1f}s"
+
+    ettr = f"{a.ettr:.1%}" if a.ettr is not None else "n/a"
+    exit_codes = sorted({str(f.get("exit_code")) for f in a.node_finish.values()})
+    summary = _table(
+        ["job", "nodes", "started", "wall time", "productive", "ETTR", "incidents", "exit code"],
+        [
+            [
+                ", ".join(a.run_ids),
+                ", ".join(a.nodes),
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(a.start_ts)),
+                f"{a.wall_s:.1f} s",
+                f"{a.productive_s:.1f} s",
+                ettr,
+                len(a.incidents),
+                ", ".join(exit_codes) or "still running",
+            ]
+        ],
+    )
+    incidents = (
+        _table(
+            ["#", "time", "cause", "detail", "round", "world size", "recovery"],
+            [
+                [
+                    i + 1,
+                    when(inc.ts),
+                    inc.cause,
+                    inc.detail,
+                    f"{inc.interrupted_round} -> {inc.recovered_round}"
+                    if inc.recovered_round is not None
+                    else str(inc.interrupted_round),
+                    f"{inc.world_before} -> {inc.world_after}"
+                    if inc.world_after is not None
+                    else "-",
+                    _fmt_s(inc.duration_s),
+                ]
+                for i, inc in enumerate(a.incidents)
+            ],
+        )
+        if a.incidents
+        else "<p>No incidents: the job ran undisturbed.</p>"
+    )
+    lost = a.lost_by_cause()
+    lost_rows = [
+        [c, f"{v:.2f} s", f"{v / a.wall_s:.1%}" if a.wall_s else "-"] for c, v in lost.items()
+    ]
+    lost_table = _table(["cause", "time lost", "share of wall time"], lost_rows)
+    nodes = (
+        _table(
+            ["node", "exit code", "wall", "productive", "ETTR (agent)"],
+            [
+                [n, f.get("exit_code"), f.get("wall_s"), f.get("productive_s"), f.get("ettr")]
+                for n, f in sorted(a.node_finish.items())
+            ],
+        )
+        if a.node_finish
+        else ""
+    )
+    res_rows = [
+        [
+            n,
+            s["samples"],
+            f"{s['cpu_mean_ratio']:.0%}",
+            f"{s['cpu_max_ratio']:.0%}",
+            f"{s['mem_max_bytes'] / 2**30:.2f} / {s['mem_total_bytes'] / 2**30:.1f} GiB",
+            f"{s['net_rx_bytes'] / 2**20:.1f} / {s['net_tx_bytes'] / 2**20:.1f} MiB",
+            "; ".join(
+                f"gpu{i}: {g['util_mean_ratio']:.0%} avg, {g['temp_max_c']:.0f} C max"
+                for i, g in (s.get("gpus") or {}).items()
+            )
+            or "-",
+        ]
+        for n, s in a.resources.items()
+    ]
+    resources = (
+        _table(
+            ["node", "samples", "CPU mean", "CPU max", "memory max", "net rx / tx", "GPUs"],
+            res_rows,
+        )
+        if res_rows
+        else "<p>No resource samples in the event log.</p>"
+    )
+    ckpt = (
+        f"<p>{len(a.checkpoints)} checkpoint(s) saved; last at step "
+        f"{html.escape(str(a.checkpoints[-1].get('step')))}.</p>"
+        if a.checkpoints
+        else "<p>No checkpoints recorded.</p>"
+    )
+    figs = "".join(
+        f'<figure><img alt="{html.escape(cap)}" src="data:image/png;base64,'
+        f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(cap)}</figcaption></figure>'
+        for cap, png in figures.items()
+    )
+    title = f"flexrun report: {', '.join(a.run_ids)}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}}
+table{{border-collapse:collapse;margin:.5em 0 1.5em}}
+th,td{{border:1px solid #ccc;padding:.3em .6em;text-align:left;font-size:.9em}}
+th{{background:#f3f3f3}} img{{max-width:100%}} figcaption{{color:#666;font-size:.85em}}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+{summary}
+{figs}
+<h2>Incidents</h2>
+{incidents}
+<h2>Time lost per cause</h2>
+<p>ETTR (productive time / wall time): <b>{ettr}</b>.</p>
+{lost_table}
+<h2>Nodes</h2>
+{nodes}
+<h2>Node resources</h2>
+{resources}
+<h2>Checkpoints</h2>
+{ckpt}
+</body></html>
+"""
+
+
+def write_report(
+    paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """Merge the logs under ``paths`` and write ``report.html`` and the PNGs; return the page.
+
+    ``out_dir`` defaults to the first path (its directory when it is a file).
+
+    Raises:
+        ConfigError: no paths, no event logs, empty logs, or an unwritable output directory.
+    """
+    if not paths:
+        raise ConfigError("flexrun report: give at least one run directory")
+    analysis = analyze(load_events(paths))
+    first = Path(paths[0])
+    out = Path(out_dir) if out_dir is not None else (first if first.is_dir() else first.parent)
+    figures = {
+        "World size and throughput over time (red: interruptions until recovered)": plot_timeline(
+            analysis
+        ),
+        "Productive time and time lost per cause": plot_lost(analysis),
+    }
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, png in zip((TIMELINE_PNG, LOST_PNG), figures.values(), strict=True):
+            (out / name).write_bytes(png)
+        page = out / REPORT_FILE
+        page.write_text(render_html(analysis, figures), encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{out}: cannot write the report ({exc.strerror})") from exc
+    return page
