@@ -191,6 +191,11 @@ def remove_stale_staging(storage: Storage, root: str, round: int) -> list[str]:
     return removed
 
 
+def staging_dir(storage: Storage, root: str, step: int, round: int) -> str:
+    """A fresh staging directory path for ``step`` (not yet created)."""
+    return storage.join(root, f".tmp-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}")
+
+
 def commit_checkpoint(
     storage: Storage,
     root: str,
@@ -214,8 +219,7 @@ def commit_checkpoint(
     """
     hook = fault_hook or (lambda _stage: None)
     check_fence(storage, root, round)
-    tmp = storage.join(root, f".tmp-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}")
-    final = storage.join(root, step_dir_name(step))
+    tmp = staging_dir(storage, root, step, round)
     committed = False
     try:
         storage.makedirs(tmp)
@@ -228,44 +232,19 @@ def commit_checkpoint(
             entries[name] = {"size": size, "sha256": digest}
             hook("file_written")
         hook("files_written")
-        manifest = Manifest(
+        manifest = finalize_staged(
+            storage,
+            root,
+            tmp,
             step=step,
             round=round,
             world_size=world_size,
-            created=clock.wall(),
-            files=entries,
-            meta=dict(meta or {}),
+            entries=entries,
+            meta=meta,
+            clock=clock,
+            fault_hook=fault_hook,
         )
-        body = manifest.to_json()
-        storage.write_file(storage.join(tmp, MANIFEST), lambda f: f.write(body))
-        hook("manifest_written")
-        check_fence(storage, root, round)
-        hook("fence_checked")
-        if step in list_steps(storage, root):
-            # Re-saving a step (a resumed run redoing work after falling back past a bad
-            # checkpoint): move the old one aside first; a crash here leaves older ones.
-            trash = storage.join(
-                root, f".trash-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}"
-            )
-            storage.rename(final, trash, replace=False)
-            storage.rename(tmp, final, replace=False)
-            storage.remove_tree(trash)
-        else:
-            storage.rename(tmp, final, replace=False)
         committed = True
-        hook("renamed")
-        pointer = storage.join(root, f".latest-{uuid.uuid4().hex[:12]}")
-        name_bytes = step_dir_name(step).encode()
-        storage.write_file(pointer, lambda f: f.write(name_bytes))
-        storage.rename(pointer, storage.join(root, LATEST), replace=True)
-        hook("latest_updated")
-        try:
-            check_fence(storage, root, round)
-        except FencedError:
-            # A newer round claimed the directory while we committed: withdraw ours.
-            storage.remove_tree(final)
-            raise
-        hook("committed")
         return manifest
     finally:
         if not committed:
@@ -273,6 +252,67 @@ def commit_checkpoint(
                 storage.remove_tree(tmp)
             except CheckpointError as cleanup_exc:  # the original error matters more
                 _note(cleanup_exc)
+
+
+def finalize_staged(
+    storage: Storage,
+    root: str,
+    tmp: str,
+    *,
+    step: int,
+    round: int,
+    world_size: int,
+    entries: Mapping[str, Mapping[str, Any]],
+    meta: Mapping[str, Any] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    fault_hook: FaultHook | None = None,
+) -> Manifest:
+    """Commit a staging directory whose data files are durable: manifest, fence, rename, latest.
+
+    The caller removes ``tmp`` if this raises before the rename.
+
+    Raises:
+        FencedError: a newer round owns the directory.
+        CheckpointError: a write, sync or rename failed.
+    """
+    hook = fault_hook or (lambda _stage: None)
+    final = storage.join(root, step_dir_name(step))
+    manifest = Manifest(
+        step=step,
+        round=round,
+        world_size=world_size,
+        created=clock.wall(),
+        files={k: dict(v) for k, v in entries.items()},
+        meta=dict(meta or {}),
+    )
+    body = manifest.to_json()
+    storage.write_file(storage.join(tmp, MANIFEST), lambda f: f.write(body))
+    hook("manifest_written")
+    check_fence(storage, root, round)
+    hook("fence_checked")
+    if step in list_steps(storage, root):
+        # Re-saving a step (a resumed run redoing work after falling back past a bad
+        # checkpoint): move the old one aside first; a crash here leaves older ones.
+        trash = storage.join(root, f".trash-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}")
+        storage.rename(final, trash, replace=False)
+        storage.rename(tmp, final, replace=False)
+        storage.remove_tree(trash)
+    else:
+        storage.rename(tmp, final, replace=False)
+    hook("renamed")
+    pointer = storage.join(root, f".latest-{uuid.uuid4().hex[:12]}")
+    name_bytes = step_dir_name(step).encode()
+    storage.write_file(pointer, lambda f: f.write(name_bytes))
+    storage.rename(pointer, storage.join(root, LATEST), replace=True)
+    hook("latest_updated")
+    try:
+        check_fence(storage, root, round)
+    except FencedError:
+        # A newer round claimed the directory while we committed: withdraw ours.
+        storage.remove_tree(final)
+        raise
+    hook("committed")
+    return manifest
 
 
 def _note(exc: BaseException) -> None:

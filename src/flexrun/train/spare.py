@@ -1,0 +1,39 @@
+"""A warm spare worker: Python and torch already imported, waiting for an assignment.
+
+Owns only the hand-over: the agent starts ``python -m flexrun.train.spare`` ahead of need;
+when a live worker dies, it writes one JSON line to the spare's stdin (the worker's
+environment, argv and entry point) and the spare becomes that worker without paying the
+interpreter and torch start-up again. End of stdin without an assignment: exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+import torch  # noqa: F401  (the point of a spare: pay these imports before they are needed)
+import torch.distributed  # noqa: F401
+
+
+def main() -> int:
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    task = json.loads(line)
+    os.environ.clear()
+    os.environ.update(task["env"])
+    sys.stdin = open(os.devnull)  # noqa: SIM115  (the assignment channel is done)
+    entry = task["entry"]
+    sys.argv = [entry, *task["args"]]
+    if task.get("module"):
+        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))
+        runpy.run_path(entry, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
