@@ -1,0 +1,267 @@
+"""Pipeline -> Argo ``Workflow`` (``argoproj.io/v1alpha1``), as a plain dict.
+
+Owns the cluster form of a pipeline: a DAG whose ordinary stages are container steps and
+whose train stage is a ``resource`` step creating the Kubeflow PyTorchJob that
+``flexrun.k8s.render`` renders (plus resource steps applying its rendezvous store, which
+must outlive any spot node). It does not parse the spec (``spec``) nor run anything.
+
+Cluster semantics, chosen to match the elastic job:
+
+- Every step mounts one ReadWriteMany PVC (``argo.artifacts.claimName``) at
+  ``argo.artifacts.mountPath`` and works there: ``{run_dir}`` is that path, so stage
+  outputs are the next stage's inputs, and the PyTorchJob's checkpoint volume is the same
+  claim (a resumed job finds its checkpoints).
+- The train step succeeds when any Worker succeeded (``replicaStatuses.Worker.succeeded``):
+  an elastic agent exits 0 only once the whole job finished (torchrun semantics; the
+  Kubeflow operator marks elastic jobs Succeeded the same way). It fails only when the
+  operator gave up: the job has a ``completionTime`` and no Worker succeeded. A preempted
+  Worker (exit 143) is restarted by the operator (``restartPolicy: ExitCode``) and does
+  not fail the step, so ``Worker.failed > 0`` is deliberately not a failure condition.
+- The train step has no Argo retry (a retry would re-create a job that exists); elastic
+  restarts belong to ``maxRestarts`` and the operator. Objects the workflow creates carry
+  an owner reference to it, so deleting the workflow deletes them; a mutex named after
+  the pipeline keeps two runs from fighting over the same job name and volume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flexrun.errors import SpecError
+from flexrun.pipeline.spec import Pipeline, Stage, substitute
+
+API_VERSION = "argoproj.io/v1alpha1"
+ARTIFACTS_VOLUME = "artifacts"
+#: Fields of the flexrun k8s job spec that the pipeline's train block and volume decide.
+_OWNED_JOB_FIELDS = (
+    "script",
+    "module",
+    "args",
+    "nnodes",
+    "nprocPerNode",
+    "maxRestarts",
+    "checkpoint",
+)
+
+SUCCESS_CONDITION = "status.replicaStatuses.Worker.succeeded > 0"
+FAILURE_CONDITION = "status.completionTime,!status.replicaStatuses.Worker.succeeded"
+
+Manifest = dict[str, Any]
+
+
+def _values(pipeline: Pipeline) -> dict[str, str]:
+    return {
+        "python": "python",
+        "pipeline_dir": pipeline.argo.pipeline_dir,
+        "run_dir": pipeline.argo.mount_path,
+    }
+
+
+def claim_name(pipeline: Pipeline) -> str:
+    """The artifacts PVC every step mounts."""
+    return pipeline.argo.claim_name or f"{pipeline.name}-artifacts"
+
+
+def _env(pipeline: Pipeline, stage: Stage) -> dict[str, str]:
+    env = dict(pipeline.env)
+    env.update(stage.env)
+    return {k: substitute(v, _values(pipeline), f"stages.{stage.name}.env") for k, v in env.items()}
+
+
+def _image(pipeline: Pipeline, where: str) -> str:
+    if pipeline.argo.image is None:
+        raise SpecError(
+            f"{where}: argo.image is required to render for Argo (the image with "
+            "flexrun and the stage scripts)"
+        )
+    return pipeline.argo.image
+
+
+def _container_template(pipeline: Pipeline, stage: Stage) -> Manifest:
+    assert stage.command is not None
+    values = _values(pipeline)
+    argv = [substitute(a, values, f"stages.{stage.name}.command") for a in stage.command]
+    container: Manifest = {
+        "name": "main",
+        "image": _image(pipeline, f"stages.{stage.name}"),
+        "command": argv[:1],
+        "args": argv[1:],
+        "workingDir": pipeline.argo.mount_path,
+    }
+    env = _env(pipeline, stage)
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    container["volumeMounts"] = [{"name": ARTIFACTS_VOLUME, "mountPath": pipeline.argo.mount_path}]
+    template: Manifest = {
+        "name": stage.name,
+        "activeDeadlineSeconds": int(stage.timeout_s),
+        "container": container,
+    }
+    if stage.retries:
+        template["retryStrategy"] = {"limit": str(stage.retries), "retryPolicy": "OnFailure"}
+    return template
+
+
+def train_job_spec(pipeline: Pipeline, stage: Stage) -> Manifest:
+    """The flexrun k8s job spec (``TrainingJob``) of a train stage, as parsed YAML."""
+    from flexrun.k8s.spec import API_VERSION as JOB_API
+    from flexrun.k8s.spec import KIND as JOB_KIND
+
+    train = stage.train
+    assert train is not None
+    where = f"stages.{stage.name}.train"
+    for key in _OWNED_JOB_FIELDS:
+        if key in train.k8s:
+            raise SpecError(
+                f"{where}.k8s.{key}: set by the pipeline (train block, artifacts volume)"
+            )
+    values = _values(pipeline)
+    extra = dict(train.k8s)
+    env = dict(_env(pipeline, stage))
+    user_env = extra.pop("env", None) or {}
+    if not isinstance(user_env, Mapping):
+        raise SpecError(f"{where}.k8s.env: must be a mapping")
+    env.update({str(k): str(v) for k, v in user_env.items()})
+    metadata: Manifest = {"name": f"{pipeline.name}-{stage.name}"}
+    if pipeline.argo.namespace is not None:
+        metadata["namespace"] = pipeline.argo.namespace
+    spec: Manifest = {
+        "image": extra.pop("image", None) or _image(pipeline, where),
+        "script": substitute(train.script, values, f"{where}.script"),
+        "args": [substitute(a, values, f"{where}.args") for a in train.args],
+        "nnodes": train.nnodes,
+        "nprocPerNode": train.nproc_per_node,
+        "maxRestarts": train.max_restarts,
+        "checkpoint": {
+            "existingClaim": claim_name(pipeline),
+            "mountPath": pipeline.argo.mount_path,
+        },
+    }
+    if env:
+        spec["env"] = env
+    spec.update(extra)
+    return {"apiVersion": JOB_API, "kind": JOB_KIND, "metadata": metadata, "spec": spec}
+
+
+def render_train_manifests(pipeline: Pipeline, stage: Stage) -> list[Manifest]:
+    """The train stage's objects: rendezvous store objects, then the PyTorchJob.
+
+    Raises:
+        SpecError: the train block does not make a valid k8s job (the field is named).
+    """
+    from flexrun.k8s.render import CONTAINER_NAME, render
+    from flexrun.k8s.spec import parse_job_spec
+
+    where = f"stages.{stage.name}.train"
+    try:
+        job = parse_job_spec(train_job_spec(pipeline, stage))
+    except SpecError as exc:
+        raise SpecError(f"{where}: as a Kubernetes job: {exc}") from None
+    manifests = render(job)
+    for m in manifests:
+        if m["kind"] == "PyTorchJob":
+            pod = m["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+            for c in pod["containers"]:
+                if c["name"] == CONTAINER_NAME:
+                    # Relative paths in the args mean the shared artifacts volume, as locally.
+                    c["workingDir"] = pipeline.argo.mount_path
+    return manifests
+
+
+def _resource_template(
+    name: str, manifest: Manifest, action: str, timeout_s: float | None
+) -> Manifest:
+    from flexrun.k8s.render import to_yaml
+
+    resource: Manifest = {
+        "action": action,
+        "setOwnerReference": True,
+        "manifest": to_yaml([manifest]),
+    }
+    if manifest["kind"] == "PyTorchJob":
+        resource["successCondition"] = SUCCESS_CONDITION
+        resource["failureCondition"] = FAILURE_CONDITION
+    template: Manifest = {"name": name, "resource": resource}
+    if timeout_s is not None:
+        template["activeDeadlineSeconds"] = int(timeout_s)
+    return template
+
+
+def render_workflow(pipeline: Pipeline) -> Manifest:
+    """The whole pipeline as one Argo Workflow.
+
+    Raises:
+        SpecError: ``argo.image`` is missing or a train stage is not a valid k8s job.
+    """
+    templates: list[Manifest] = []
+    tasks: list[Manifest] = []
+    train_step: dict[str, str] = {}  # stage -> the task later stages depend on
+    for stage in pipeline.stages:
+        deps = sorted({train_step.get(d, d) for d in stage.deps})
+        if stage.command is not None:
+            templates.append(_container_template(pipeline, stage))
+            task: Manifest = {"name": stage.name, "template": stage.name}
+            if deps:
+                task["dependencies"] = deps
+            tasks.append(task)
+            continue
+        store_tasks: list[str] = []
+        used: set[str] = set()
+        for m in render_train_manifests(pipeline, stage):
+            if m["kind"] == "PyTorchJob":
+                templates.append(_resource_template(stage.name, m, "create", stage.timeout_s))
+                task = {"name": stage.name, "template": stage.name}
+                if deps or store_tasks:
+                    task["dependencies"] = sorted(set(deps) | set(store_tasks))
+                tasks.append(task)
+                continue
+            base = f"{stage.name}-{m['kind'].lower()}"
+            name, i = base, 2
+            while name in used:
+                name, i = f"{base}-{i}", i + 1
+            used.add(name)
+            templates.append(_resource_template(name, m, "apply", None))
+            store_task: Manifest = {"name": name, "template": name}
+            if deps:
+                store_task["dependencies"] = deps
+            tasks.append(store_task)
+            store_tasks.append(name)
+        train_step[stage.name] = stage.name
+    metadata: Manifest = {
+        "generateName": f"{pipeline.name}-",
+        "labels": {
+            "app.kubernetes.io/name": "flexrun",
+            "app.kubernetes.io/instance": pipeline.name,
+        },
+    }
+    if pipeline.argo.namespace is not None:
+        metadata["namespace"] = pipeline.argo.namespace
+    spec: Manifest = {"entrypoint": "main"}
+    if pipeline.argo.service_account is not None:
+        spec["serviceAccountName"] = pipeline.argo.service_account
+    spec["synchronization"] = {"mutexes": [{"name": pipeline.name}]}
+    spec["volumes"] = [
+        {"name": ARTIFACTS_VOLUME, "persistentVolumeClaim": {"claimName": claim_name(pipeline)}}
+    ]
+    spec["templates"] = [{"name": "main", "dag": {"tasks": tasks}}, *templates]
+    return {"apiVersion": API_VERSION, "kind": "Workflow", "metadata": metadata, "spec": spec}
+
+
+def embedded_manifests(workflow: Mapping[str, Any]) -> list[Any]:
+    """Every object a workflow's resource steps create (parsed), in template order."""
+    import yaml
+
+    out: list[Any] = []
+    for t in workflow["spec"]["templates"]:
+        resource = t.get("resource")
+        if resource is not None:
+            out.extend(d for d in yaml.safe_load_all(resource["manifest"]) if d is not None)
+    return out
+
+
+def to_yaml(workflow: Manifest) -> str:
+    """The workflow as YAML (keys in insertion order, no anchors)."""
+    from flexrun.k8s.render import to_yaml as k8s_to_yaml
+
+    return k8s_to_yaml([workflow])
