@@ -95,7 +95,7 @@ def _container_template(pipeline: Pipeline, stage: Stage) -> Manifest:
     container["volumeMounts"] = [{"name": ARTIFACTS_VOLUME, "mountPath": pipeline.argo.mount_path}]
     template: Manifest = {
         "name": stage.name,
-        "activeDeadlineSeconds": int(stage.timeout_s),
+        "activeDeadlineSeconds": str(int(stage.timeout_s)),  # IntOrString: a string validates
         "container": container,
     }
     if stage.retries:
@@ -118,7 +118,11 @@ def train_job_spec(pipeline: Pipeline, stage: Stage) -> Manifest:
             )
     values = _values(pipeline)
     extra = dict(train.k8s)
-    env = dict(_env(pipeline, stage))
+    from flexrun.k8s.spec import OPERATOR_ENV
+
+    # The operator sets these itself (PYTHONUNBUFFERED, PET_*): a pipeline-wide value is
+    # meant for the container steps; an explicit train.k8s.env entry is still an error.
+    env = {k: v for k, v in _env(pipeline, stage).items() if k not in OPERATOR_ENV}
     user_env = extra.pop("env", None) or {}
     if not isinstance(user_env, Mapping):
         raise SpecError(f"{where}.k8s.env: must be a mapping")
@@ -184,7 +188,7 @@ def _resource_template(
         resource["failureCondition"] = FAILURE_CONDITION
     template: Manifest = {"name": name, "resource": resource}
     if timeout_s is not None:
-        template["activeDeadlineSeconds"] = int(timeout_s)
+        template["activeDeadlineSeconds"] = str(int(timeout_s))
     return template
 
 
