@@ -59,6 +59,11 @@ def failure_cause(event: Mapping[str, Any]) -> str:
     }.get(kind, kind)
 
 
+def restart_cause(reason: str) -> str:
+    """The :func:`failure_cause` label for a ``restart`` event's (a new round's) reason."""
+    return {"failure": "worker_failure", "hang": "hang"}.get(reason, reason or "unknown")
+
+
 class AgentMetrics:
     """The metrics of one agent and (optionally) the HTTP endpoint serving them.
 
@@ -72,6 +77,8 @@ class AgentMetrics:
         *,
         host: str = "0.0.0.0",
         clock: Clock = SYSTEM_CLOCK,
+        run_id: str = "",
+        node: str = "",
     ) -> None:
         if port is not None and not 0 <= port < 65536:
             raise ConfigError(f"--metrics-port {port}: out of range 0-65535")
@@ -87,7 +94,12 @@ class AgentMetrics:
         def gauge(name: str, doc: str, labelnames: tuple[str, ...] = ()) -> Gauge:
             return Gauge(name, doc, labelnames, registry=r)
 
-        self.info = gauge("flexrun_agent_info", "This agent (value 1), labelled by job and node")
+        self.info = Gauge(
+            "flexrun_agent_info",
+            "This agent (value 1), labelled by job and node",
+            ("job", "node"),
+            registry=r,
+        )
         self.world_size = gauge("flexrun_world_size", "Workers in the current round, all nodes")
         self.nodes = gauge("flexrun_nodes", "Nodes (agents) in the current round")
         self.round = gauge("flexrun_round", "Number of the current rendezvous round")
@@ -136,7 +148,7 @@ class AgentMetrics:
         self.ettr = gauge(
             "flexrun_ettr_ratio", "Effective training time ratio (productive / wall) at job end"
         )
-        self.info.set(1)
+        self.info.labels(job=run_id, node=node).set(1)
 
     # -- serving ----------------------------------------------------------------------------
     def start(self) -> int:
@@ -263,6 +275,11 @@ class EventMetrics:
                     self._interrupted_round = rnd - 1
         elif kind == "restart":
             m.on_restart(str(e.get("reason") or ""))
+            # Every running node logs a restart; the triggering event may be in another
+            # node's log (a scale-up proposed by the joining node).
+            if mine and self._interrupted_at is None and ts is not None:
+                self._interrupted_at = ts
+                self._interrupted_round = rnd - 1 if rnd is not None else None
         elif kind == "rendezvous_completed" and mine:
             members = e.get("members") or []
             m.on_round(
@@ -401,6 +418,7 @@ def serve_run_metrics(
     port: int,
     *,
     node: str | None = None,
+    run_id: str = "",
     host: str = "0.0.0.0",
     resources: bool = True,
 ) -> tuple[AgentMetrics, EventFollower]:
@@ -411,7 +429,7 @@ def serve_run_metrics(
     Raises:
         ConfigError: the port cannot be bound.
     """
-    metrics = AgentMetrics(port, host=host)
+    metrics = AgentMetrics(port, host=host, run_id=run_id, node=node or "")
     if resources:
         from flexrun.observe.resources import ResourceCollector
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from flexrun.errors import ConfigError
 from flexrun.observe.events import EVENTS_FILE, read_events
-from flexrun.observe.metrics import failure_cause
+from flexrun.observe.metrics import failure_cause, restart_cause
 
 REPORT_FILE = "report.html"
 TIMELINE_PNG = "report_timeline.png"
@@ -52,6 +52,13 @@ class Incident:
     recovered_ts: float | None = None
     world_before: int | None = None
     world_after: int | None = None
+    direct: bool = True
+    """Caused by a logged trigger, not only inferred from a node's restart."""
+    resumed_ts: float | None = None
+    """When training steps were reported again (None without ``train_metrics`` events)."""
+    lost_s: float = 0.0
+    """Training time lost: until steps resumed (or, without step reports, until recovered;
+    until the end of the run if it never recovered)."""
     events: list[str] = field(default_factory=list)
 
     @property
@@ -78,6 +85,9 @@ class RunAnalysis:
     """node -> its ``job_finished`` fields (exit code, its own ETTR)."""
     checkpoints: list[dict[str, Any]]
     resources: dict[str, dict[str, Any]]
+    productive_basis: str = "train_metrics"
+    """What productive time was measured from: ``train_metrics`` (steps reported by rank
+    0) or ``worker_uptime`` (rounds up, when the script reports no steps)."""
 
     @property
     def wall_s(self) -> float:
@@ -94,10 +104,10 @@ class RunAnalysis:
         for inc in self.incidents:
             if inc.cause == "store_outage":
                 continue  # training went on
-            d = inc.duration_s
-            if d is None:  # never recovered: lost until the end of the run
-                d = max(self.end_ts - inc.ts, 0.0)
-            lost[inc.cause] = lost.get(inc.cause, 0.0) + d
+            lost[inc.cause] = lost.get(inc.cause, 0.0) + inc.lost_s
+        other = self.wall_s - self.productive_s - sum(lost.values())
+        if other > 0.05 * max(self.wall_s, 1e-9):
+            lost["other (idle, shutdown)"] = other
         return lost
 
 
@@ -216,7 +226,8 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
             inc.recovered_ts = ts
             outages.append(inc)
             continue
-        if kind not in _RUNNING_ROUND_TRIGGERS and kind not in _NEW_ROUND_TRIGGERS:
+        direct = kind in _RUNNING_ROUND_TRIGGERS or kind in _NEW_ROUND_TRIGGERS
+        if not direct and kind != "restart":
             continue
         r = e.get("round")
         if kind in _RUNNING_ROUND_TRIGGERS:
@@ -225,9 +236,11 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
             after = None if r is None else int(r) - 1
         target = recovery_round(after)
         key: Any = ("round", target) if target is not None else ("open", after)
+        cause = failure_cause(e) if direct else restart_cause(str(e.get("reason") or ""))
+        detail = _detail(e) if direct else f"restart ({e.get('reason')})"
         found = incidents.get(key)
         if found is None:
-            inc = Incident(failure_cause(e), ts, str(e.get("node")), _detail(e), after)
+            inc = Incident(cause, ts, str(e.get("node")), detail, after, direct=direct)
             inc.recovered_round = target
             if target is not None:
                 inc.recovered_ts = rounds[target]["ts"]
@@ -237,22 +250,22 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
             incidents[key] = inc
         else:
             inc = found
+            if direct and not inc.direct:
+                # A node's restart (every node logs one) names the reason; the event that
+                # caused it, logged by one node, names the cause: prefer it.
+                inc.cause, inc.detail, inc.node, inc.direct = (
+                    cause,
+                    detail,
+                    str(e.get("node")),
+                    True,
+                )
         inc.events.append(kind)
     outages.extend(open_outage.values())
     all_incidents = sorted([*incidents.values(), *outages], key=lambda i: i.ts)
 
-    # Productive time: from a round being up on every node to the next interruption.
-    stops = sorted(
-        [i.ts for i in all_incidents if i.cause != "store_outage"]
-        + [t for n, t in starting.items() if n > min(round_numbers, default=0)]
-        + [end_ts]
+    productive, startup, basis = _productive(
+        events, rounds, starting, all_incidents, start_ts, end_ts
     )
-    productive = 0.0
-    for n in round_numbers:
-        up = rounds[n]["ts"]
-        nxt = next((t for t in stops if t > up), end_ts)
-        productive += max(nxt - up, 0.0)
-    startup = (rounds[round_numbers[0]]["ts"] - start_ts) if round_numbers else end_ts - start_ts
 
     marks: list[tuple[float, str, str]] = []
     throughput: list[tuple[float, float]] = []
@@ -279,6 +292,7 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
         end_ts=end_ts,
         productive_s=productive,
         startup_s=max(startup, 0.0),
+        productive_basis=basis,
         incidents=all_incidents,
         rounds=rounds,
         throughput=throughput,
@@ -287,6 +301,59 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
         checkpoints=checkpoints,
         resources=summarize_resources(events),
     )
+
+
+def _productive(
+    events: Sequence[Mapping[str, Any]],
+    rounds: Mapping[int, Mapping[str, Any]],
+    starting: Mapping[int, float],
+    incidents: Sequence[Incident],
+    start_ts: float,
+    end_ts: float,
+) -> tuple[float, float, str]:
+    """(productive seconds, start-up seconds, basis); sets each incident's lost time.
+
+    With ``train_metrics`` events, productive time is when steps were reported: per round,
+    first to last report plus one reporting window (the median gap). Otherwise it is the
+    time each round was up on every node until the next interruption.
+    """
+    per_round: dict[Any, list[float]] = {}
+    for e in events:
+        if e["event"] == "train_metrics":
+            per_round.setdefault(e.get("round"), []).append(float(e["ts"]))
+    stoppers = [i for i in incidents if i.cause != "store_outage"]
+    if per_round:
+        gaps = sorted(b - a for ts in per_round.values() for a, b in zip(ts, ts[1:], strict=False))
+        window = gaps[len(gaps) // 2] if gaps else 0.0
+        productive = sum(max(ts) - min(ts) + window for ts in per_round.values())
+        reports = sorted(t for ts in per_round.values() for t in ts)
+        for k, inc in enumerate(stoppers):
+            # lost until steps resume, or the next incident takes over, or the run ends
+            cap = stoppers[k + 1].ts if k + 1 < len(stoppers) else end_ts
+            after = inc.recovered_ts if inc.recovered_ts is not None else inc.ts
+            nxt = next((t for t in reports if t > after), None)
+            inc.resumed_ts = None if nxt is None else max(nxt - window, after)
+            until = min(inc.resumed_ts if inc.resumed_ts is not None else end_ts, cap)
+            inc.lost_s = max(until - inc.ts, 0.0)
+        first = min([reports[0] - window, *(i.ts for i in stoppers)])
+        return min(productive, end_ts - start_ts), max(first - start_ts, 0.0), "train_metrics"
+    numbers = sorted(rounds)
+    stops = sorted(
+        [i.ts for i in stoppers]
+        + [t for n, t in starting.items() if numbers and n > numbers[0]]
+        + [end_ts]
+    )
+    productive = 0.0
+    for n in numbers:
+        up = float(rounds[n]["ts"])
+        productive += max(next((t for t in stops if t > up), end_ts) - up, 0.0)
+    for k, inc in enumerate(stoppers):
+        cap = stoppers[k + 1].ts if k + 1 < len(stoppers) else end_ts
+        until = inc.recovered_ts if inc.recovered_ts is not None else end_ts
+        inc.lost_s = max(min(until, cap) - inc.ts, 0.0)
+    first_up = float(rounds[numbers[0]]["ts"]) if numbers else end_ts
+    startup = min([first_up, *(i.ts for i in stoppers)]) - start_ts
+    return productive, startup, "worker_uptime"
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -418,6 +485,12 @@ def render_html(a: RunAnalysis, figures: Mapping[str, bytes]) -> str:
         return f"+{ts - a.start_ts:.1f}s"
 
     ettr = f"{a.ettr:.1%}" if a.ettr is not None else "n/a"
+    basis = (
+        "Productive time is when rank 0 reported training steps."
+        if a.productive_basis == "train_metrics"
+        else "No training steps were reported (train_metrics), so productive time is the "
+        "time every node's workers were up."
+    )
     exit_codes = sorted({str(f.get("exit_code")) for f in a.node_finish.values()})
     summary = _table(
         ["job", "nodes", "started", "wall time", "productive", "ETTR", "incidents", "exit code"],
@@ -436,7 +509,7 @@ def render_html(a: RunAnalysis, figures: Mapping[str, bytes]) -> str:
     )
     incidents = (
         _table(
-            ["#", "time", "cause", "detail", "round", "world size", "recovery"],
+            ["#", "time", "cause", "detail", "round", "world size", "recovery", "time lost"],
             [
                 [
                     i + 1,
@@ -450,6 +523,7 @@ def render_html(a: RunAnalysis, figures: Mapping[str, bytes]) -> str:
                     if inc.world_after is not None
                     else "-",
                     _fmt_s(inc.duration_s),
+                    f"{inc.lost_s:.2f} s" if inc.cause != "store_outage" else "0 (kept training)",
                 ]
                 for i, inc in enumerate(a.incidents)
             ],
@@ -523,7 +597,9 @@ th{{background:#f3f3f3}} img{{max-width:100%}} figcaption{{color:#666;font-size:
 <h2>Incidents</h2>
 {incidents}
 <h2>Time lost per cause</h2>
-<p>ETTR (productive time / wall time): <b>{ettr}</b>.</p>
+<p>ETTR (productive time / wall time): <b>{ettr}</b>. {basis}
+Recovery: from the incident until every node of the new round had started its workers;
+time lost: until training steps were reported again.</p>
 {lost_table}
 <h2>Nodes</h2>
 {nodes}
