@@ -15,6 +15,7 @@ from flexrun.train.env import WorkerEnv, read_env
 from flexrun.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flexrun.train.preempt import PreemptionGuard
 from flexrun.train.sampler import ElasticSampler
+from flexrun.train.sharded import ShardedCheckpointer
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -25,6 +26,7 @@ __all__ = [
     "Loaded",
     "Manifest",
     "PreemptionGuard",
+    "ShardedCheckpointer",
     "Stateful",
     "TrainContext",
     "WorkerEnv",

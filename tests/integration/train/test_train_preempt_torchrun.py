@@ -50,14 +50,14 @@ def test_sigterm_to_one_rank_stops_all_at_a_step_boundary_with_final_checkpoint_
 def test_example_runs_and_resumes_under_torchrun(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(EXAMPLE), "--steps", "40", "--ckpt-every", "10", "--ckpt-dir", str(ck)]
+    cmd += [str(EXAMPLE), "--steps", "20", "--ckpt-every", "10", "--ckpt-dir", str(ck)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=REPO, env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert "done at step 40" in first.stdout
-    more = [c if c != "40" else "50" for c in cmd]
+    assert "done at step 20" in first.stdout
+    more = [c if c != "20" else "30" for c in cmd]
     second = subprocess.run(more, capture_output=True, text=True, timeout=100, cwd=REPO, env=env)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-    assert re.search(r"start_step=40\b", second.stdout) and "done at step 50" in second.stdout
-    manifest = json.loads((ck / "step_50" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and manifest["step"] == 50
+    assert re.search(r"start_step=20\b", second.stdout) and "done at step 30" in second.stdout
+    manifest = json.loads((ck / "step_30" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == 30
