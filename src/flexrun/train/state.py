@@ -10,7 +10,7 @@ It does not decide where or when state is written (``flexrun.train.checkpoint`` 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,45 +24,75 @@ except ImportError:  # numpy is optional: its RNG is then simply not captured
 class HostSnapshot:
     """Copies nested state (dicts, lists, tuples, tensors, scalars) into reusable host buffers.
 
-    ``take()`` returns a structure of the same shape whose tensors are CPU copies. The
-    buffers of the previous ``take()`` are reused when shapes and dtypes match, so a
-    steady-state save costs one memcpy per tensor and no allocation. The caller must not
-    ``take()`` again while a previous result is still being persisted.
+    ``take()`` returns a structure of the same shape whose tensors are CPU buffers, plus
+    the copies it deferred: tensors for which ``defer(tensor)`` is true get their buffer
+    now but are copied only when the caller runs :func:`run_copies` (on a background
+    thread, while something else guarantees the source does not change). Buffers are
+    reused across calls when shapes and dtypes match, so a steady-state save costs one
+    memcpy per tensor and no allocation. The caller must not ``take()`` again while a
+    previous result is still being copied or persisted.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, state: Any) -> Any:
+    def take(
+        self, state: Any, defer: Callable[[torch.Tensor], bool] | None = None
+    ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
         seen: set[str] = set()
-        out = self._copy(state, "", seen)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        out = self._copy(state, "", seen, defer, pending)
         for stale in set(self._buffers) - seen:
             del self._buffers[stale]
-        return out
+        return out, pending
 
-    def _copy(self, obj: Any, path: str, seen: set[str]) -> Any:
+    def _copy(
+        self,
+        obj: Any,
+        path: str,
+        seen: set[str],
+        defer: Callable[[torch.Tensor], bool] | None,
+        pending: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> Any:
         if isinstance(obj, torch.Tensor):
             seen.add(path)
-            return self._copy_tensor(obj, path)
+            return self._copy_tensor(obj, path, defer, pending)
         if isinstance(obj, Mapping):
-            return {k: self._copy(v, f"{path}/{k}", seen) for k, v in obj.items()}
+            return {k: self._copy(v, f"{path}/{k}", seen, defer, pending) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self._copy(v, f"{path}/{i}", seen) for i, v in enumerate(obj)]
+            return [self._copy(v, f"{path}/{i}", seen, defer, pending) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(self._copy(v, f"{path}/{i}", seen) for i, v in enumerate(obj))
+            return tuple(
+                self._copy(v, f"{path}/{i}", seen, defer, pending) for i, v in enumerate(obj)
+            )
         return obj
 
-    def _copy_tensor(self, t: torch.Tensor, path: str) -> torch.Tensor:
+    def _copy_tensor(
+        self,
+        t: torch.Tensor,
+        path: str,
+        defer: Callable[[torch.Tensor], bool] | None,
+        pending: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         src = t.detach()
+        if not _plain(src):  # sparse, quantized, DTensor...: plain clone now, no reuse
+            return src.to("cpu", copy=True)
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or not _plain(src):
-            if not _plain(src):  # sparse, quantized, DTensor...: plain clone, no reuse
-                return src.to("cpu", copy=True)
-            pin = src.is_cuda
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
             self._buffers[path] = buf
-        buf.copy_(src, non_blocking=src.is_cuda)
+        if defer is not None and defer(src):
+            pending.append((buf, src))
+        else:
+            buf.copy_(src, non_blocking=src.is_cuda)
         return buf
+
+
+def run_copies(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Perform the copies :meth:`HostSnapshot.take` deferred."""
+    for buf, src in pending:
+        buf.copy_(src, non_blocking=src.is_cuda)
+    synchronize_device()
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -336,3 +336,20 @@ def test_bad_names_and_closed_checkpointer_are_rejected(tmp_path: Path) -> None:
     c.close()
     with pytest.raises(CheckpointError):
         c.save(1)
+
+
+def test_deferred_copy_holds_the_next_optimizer_step_until_state_is_copied(tmp_path: Path) -> None:
+    m, o = _model()
+    c = _ckpt(str(tmp_path))
+    c.register("model", m)
+    c.register("optim", o)
+    w_before = m.weight.detach().clone()
+    exp_avg_before = o.state[m.weight]["exp_avg"].clone()
+    c.save(1)  # parameters and Adam state are copied in the background
+    _train_step(m, o)  # the optimizer step waits for that copy
+    assert not torch.equal(m.weight, w_before)
+    c.wait()
+    assert c.last_stall_s >= 0
+    c.load()
+    assert torch.equal(m.weight, w_before)
+    assert torch.equal(o.state[m.weight]["exp_avg"], exp_avg_before)
