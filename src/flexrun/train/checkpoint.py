@@ -246,18 +246,20 @@ class Checkpointer:
             if rngs is not None:
                 payload[RNG_FILE] = rngs
             self._copy_wait_s = 0.0
-            self._save_stall_s = stall_s = self._clock.monotonic() - t0
+            self._save_stall_s = self._clock.monotonic() - t0
             if background:
                 if pending:
                     self._copied.clear()
                 self._thread = threading.Thread(
                     target=self._persist_bg,
-                    args=(step, payload, stall_s, pending),
+                    args=(step, payload, pending),
                     name=f"flexrun-ckpt-{step}",
                 )
                 self._thread.start()
+                self._save_stall_s = self._clock.monotonic() - t0
             else:
-                self._persist(step, payload, stall_s)
+                self._persist(step, payload, background=False)
+                self._save_stall_s = self._clock.monotonic() - t0
         if blocking and self._distributed():
             dist.barrier()
 
@@ -311,7 +313,6 @@ class Checkpointer:
         self,
         step: int,
         payload: dict[str, Any],
-        stall_s: float,
         pending: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         # Runs at normal priority on purpose: a niced thread that holds the GIL while
@@ -321,11 +322,11 @@ class Checkpointer:
                 run_copies(pending)
             finally:
                 self._copied.set()
-            self._persist(step, payload, stall_s)
+            self._persist(step, payload, background=True)
         except BaseException as exc:  # handed to the training thread on its next call
             self._error = exc
 
-    def _persist(self, step: int, payload: dict[str, Any], stall_s: float) -> None:
+    def _persist(self, step: int, payload: dict[str, Any], *, background: bool) -> None:
         t0 = self._clock.monotonic()
         files = {
             (k if k.endswith(".pt") else f"{k}.pt"): _torch_writer(v) for k, v in payload.items()
@@ -357,7 +358,9 @@ class Checkpointer:
             "checkpoint_saved",
             step=step,
             bytes=manifest.total_bytes,
-            stall_s=round(stall_s + self._copy_wait_s, 6),
+            # Background: time in save() plus the optimizer step's wait for the copy;
+            # foreground: the whole save, persisting included.
+            stall_s=round(self._save_stall_s + (self._copy_wait_s if background else persist_s), 6),
             persist_s=round(persist_s, 6),
             path=self._storage.join(self._root, f"step_{step}"),
             pruned=removed,
