@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_is_clean() -> None:
     ruff = shutil.which("ruff")
     cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
-    res = subprocess.run([*cmd, "check", "src", "tests", "examples", "bench"], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [*cmd, "check", "src", "tests", "examples", "bench"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from flexrun import __version__
 from flexrun.config import env_default, env_flag, process_environ, run_config_from_args
@@ -23,18 +25,43 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see --help)")
 
 
-def _opt(p: argparse.ArgumentParser, env: Mapping[str, str], name: str, default: str | None, help: str, **kw: object) -> None:
+def _opt(
+    p: argparse.ArgumentParser,
+    env: Mapping[str, str],
+    name: str,
+    default: str | None,
+    help: str,
+    **kw: Any,
+) -> None:
     spellings = [f"--{name}"]
     if "-" in name:
         spellings.append("--" + name.replace("-", "_"))
-    p.add_argument(*spellings, dest=name.replace("-", "_"), default=env_default(env, name, default), help=help, **kw)  # type: ignore[arg-type]
+    p.add_argument(
+        *spellings,
+        dest=name.replace("-", "_"),
+        default=env_default(env, name, default),
+        help=help,
+        **kw,
+    )
 
 
-def _flag(p: argparse.ArgumentParser, env: Mapping[str, str], name: str, help: str, short: str | None = None) -> None:
+def _flag(
+    p: argparse.ArgumentParser,
+    env: Mapping[str, str],
+    name: str,
+    help: str,
+    short: str | None = None,
+) -> None:
     spellings = ([short] if short else []) + [f"--{name}"]
     if "-" in name:
         spellings.append("--" + name.replace("-", "_"))
-    p.add_argument(*spellings, dest=name.replace("-", "_"), action="store_true", default=env_flag(env, name), help=help)
+    p.add_argument(
+        *spellings,
+        dest=name.replace("-", "_"),
+        action="store_true",
+        default=env_flag(env, name),
+        help=help,
+    )
 
 
 def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
@@ -48,8 +75,14 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
     _opt(p, env, "rdzv-backend", "c10d", "c10d/tcp (embedded store), static, etcd/etcd-v3")
     _opt(p, env, "rdzv-endpoint", "", "store address HOST:PORT (etcd: comma-separated list)")
     _opt(p, env, "rdzv-id", "", "job id shared by all nodes")
-    _opt(p, env, "rdzv-conf", "", "k=v,...: join_timeout, last_call_timeout, heartbeat_interval, "
-         "heartbeat_timeout, connect_timeout, is_host")
+    _opt(
+        p,
+        env,
+        "rdzv-conf",
+        "",
+        "k=v,...: join_timeout, last_call_timeout, heartbeat_interval, "
+        "heartbeat_timeout, connect_timeout, is_host",
+    )
     _flag(p, env, "standalone", "single node with an embedded store on a free port")
     _opt(p, env, "max-restarts", "0", "failures tolerated per job before giving up", type=int)
     _opt(p, env, "monitor-interval", "0.1", "seconds between worker health checks", type=float)
@@ -57,13 +90,28 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
     _opt(p, env, "role", "default", "worker role name (ROLE_NAME)")
     _opt(p, env, "log-dir", None, "directory for per-rank logs (default: RUN_DIR/logs)")
     _opt(p, env, "run-dir", None, "run directory (default: ./flexrun-runs/<rdzv-id>)")
-    _opt(p, env, "redirects", "0", "streams kept out of the console (files only): 0 none, 1 out, 2 err, 3 both")
-    _opt(p, env, "tee", "0", "streams also shown on the console: 0-3 (all are by default unless redirected)")
+    _opt(
+        p,
+        env,
+        "redirects",
+        "0",
+        "streams kept out of the console (files only): 0 none, 1 out, 2 err, 3 both",
+    )
+    _opt(
+        p,
+        env,
+        "tee",
+        "0",
+        "streams also shown on the console: 0-3 (all are by default unless redirected)",
+    )
     _opt(p, env, "local-addr", None, "address other nodes use to reach this one (MASTER_ADDR)")
     _opt(p, env, "node-rank", "0", "static backend: which node hosts the store (0)")
     _opt(p, env, "master-addr", "127.0.0.1", "static backend: store host")
     _opt(p, env, "master-port", "29500", "static backend: store port")
     _opt(p, env, "node-id", None, "unique id of this node (default host-pid-random)")
+    _opt(p, env, "mode", "auto", "recovery mode: live (survivors never restart; scripts using "
+         "flexrun.train.LiveLoop), restart (torchrun semantics), auto (live if the script uses LiveLoop)")
+    _opt(p, env, "warm-spares", None, "live mode: idle workers kept ready to replace a dead one (default 1)")
     _flag(p, env, "module", "run the entrypoint as a Python module (python -m)", short="-m")
     _flag(p, env, "no-python", "run the entrypoint as an executable, not with python")
     p.add_argument("training_script", help="script (or module, or executable)")
@@ -136,6 +184,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     env = process_environ()
+    # Before torch loads: c10d warns about every expired bounded store wait, which the
+    # agent uses on purpose. Workers get the user's own setting (captured above).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         parser = build_parser(env)
         ns = parser.parse_args(argv)

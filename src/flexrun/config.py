@@ -28,13 +28,17 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4). Raises ConfigError on anything else."""
     m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
     if not m:
-        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX with positive integers, e.g. 1:4")
+        raise ConfigError(
+            f"--nnodes {text!r}: expected N or MIN:MAX with positive integers, e.g. 1:4"
+        )
     lo = int(m.group(1))
     hi = int(m.group(2)) if m.group(2) is not None else lo
     if lo < 1:
         raise ConfigError(f"--nnodes {text!r}: MIN must be at least 1")
     if lo > hi:
-        raise ConfigError(f"--nnodes {text!r}: MIN ({lo}) is greater than MAX ({hi}); write MIN:MAX, e.g. {hi}:{lo}")
+        raise ConfigError(
+            f"--nnodes {text!r}: MIN ({lo}) is greater than MAX ({hi}); write MIN:MAX, e.g. {hi}:{lo}"
+        )
     return lo, hi
 
 
@@ -52,7 +56,9 @@ def parse_nproc(text: str, *, cuda_count: int | None = None, cpu_count: int | No
             raise ConfigError("--nproc-per-node gpu: no CUDA device is visible on this node")
         return cpu_count or os.cpu_count() or 1
     if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"--nproc-per-node {text!r}: expected a positive integer, auto, cpu or gpu")
+        raise ConfigError(
+            f"--nproc-per-node {text!r}: expected a positive integer, auto, cpu or gpu"
+        )
     return int(value)
 
 
@@ -104,7 +110,9 @@ def _conf_float(conf: Mapping[str, str], key: str, default: float) -> float:
     try:
         value = float(conf[key])
     except ValueError:
-        raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds") from None
+        raise ConfigError(
+            f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds"
+        ) from None
     if value < 0:
         raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: must not be negative")
     return value
@@ -205,28 +213,50 @@ class RunConfig:
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     environ: Mapping[str, str] = field(default_factory=dict)
     """The environment workers inherit (captured by ``from_args``)."""
+    mode: str = "restart"
+    """``restart`` (torchrun semantics) or ``live`` (survivors never restart)."""
+    warm_spares: int = 0
+    """Live mode: idle worker processes kept ready (torch imported) to replace a dead one."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
         if self.monitor_interval_s <= 0:
             raise ConfigError("--monitor-interval must be positive")
+        if self.mode not in ("restart", "live"):
+            raise ConfigError(f"--mode {self.mode!r}: choose live, restart or auto")
+        if self.warm_spares < 0:
+            raise ConfigError(f"--warm-spares {self.warm_spares}: must be 0 or more")
+        if self.mode == "live" and self.store.backend in BACKENDS_ETCD:
+            raise ConfigError("--mode live needs the tcp store (--rdzv-backend c10d); etcd serves restart mode")
         if self.stop_grace_s < 0:
             raise ConfigError("--stop-grace must not be negative")
         if not self.module and not self.no_python and not Path(self.entrypoint).is_file():
-            raise ConfigError(f"training script {self.entrypoint!r} does not exist (or is not a file)")
-        if self.no_python and shutil.which(self.entrypoint) is None and not Path(self.entrypoint).is_file():
+            raise ConfigError(
+                f"training script {self.entrypoint!r} does not exist (or is not a file)"
+            )
+        if (
+            self.no_python
+            and shutil.which(self.entrypoint) is None
+            and not Path(self.entrypoint).is_file()
+        ):
             raise ConfigError(f"--no-python: executable {self.entrypoint!r} not found")
 
 
 def _streams(text: str | None, flag: str) -> frozenset[str]:
-    mapping = {"0": frozenset(), "1": frozenset({"stdout"}), "2": frozenset({"stderr"}),
-               "3": frozenset({"stdout", "stderr"})}
+    mapping = {
+        "0": frozenset(),
+        "1": frozenset({"stdout"}),
+        "2": frozenset({"stderr"}),
+        "3": frozenset({"stdout", "stderr"}),
+    }
     value = (text or "0").strip()
     if ":" in value:
         raise ConfigError(f"{flag} {value!r}: per-rank settings are not supported; use 0-3")
     if value not in mapping:
-        raise ConfigError(f"{flag} {value!r}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")
+        raise ConfigError(
+            f"{flag} {value!r}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"
+        )
     return mapping[value]
 
 
@@ -259,14 +289,18 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     min_nodes, max_nodes = parse_nnodes(a["nnodes"])
     backend = str(a["rdzv_backend"]).strip().lower()
     if backend not in BACKENDS:
-        raise ConfigError(f"--rdzv-backend {a['rdzv_backend']!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"--rdzv-backend {a['rdzv_backend']!r} is unknown; choose one of {', '.join(BACKENDS)}"
+        )
     standalone = bool(a["standalone"])
     endpoint = a["rdzv_endpoint"] or ""
     if backend == "static" and not endpoint:
         endpoint = f"{a['master_addr']}:{a['master_port']}"
     if standalone:
         if max_nodes != 1 and a["nnodes"] not in ("1", "1:1"):
-            raise ConfigError(f"--standalone runs one node; drop --nnodes {a['nnodes']} or --standalone")
+            raise ConfigError(
+                f"--standalone runs one node; drop --nnodes {a['nnodes']} or --standalone"
+            )
         min_nodes = max_nodes = 1
         endpoints: tuple[tuple[str, int], ...] = ()
         host_store = True
@@ -280,13 +314,14 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     else:
         endpoints = tuple(parse_endpoint(endpoint))
         if backend in BACKENDS_TCP and len(endpoints) != 1:
-            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the {backend} backend takes one HOST:PORT")
+            raise ConfigError(
+                f"--rdzv-endpoint {endpoint!r}: the {backend} backend takes one HOST:PORT"
+            )
         explicit = _conf_bool(conf, "is_host")
         if backend == "static":
             explicit = int(a["node_rank"] or 0) == 0 if explicit is None else explicit
-        host_store = (
-            backend in BACKENDS_TCP
-            and (explicit if explicit is not None else is_this_host(endpoints[0][0]))
+        host_store = backend in BACKENDS_TCP and (
+            explicit if explicit is not None else is_this_host(endpoints[0][0])
         )
     rdzv = RendezvousSettings(
         min_nodes=min_nodes,
@@ -297,8 +332,14 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         heartbeat_timeout_s=_conf_float(conf, "heartbeat_timeout", 5.0),
         max_restarts=int(a["max_restarts"]),
     )
-    known = {"is_host", "last_call_timeout", "join_timeout", "heartbeat_interval",
-             "heartbeat_timeout", "connect_timeout"}
+    known = {
+        "is_host",
+        "last_call_timeout",
+        "join_timeout",
+        "heartbeat_interval",
+        "heartbeat_timeout",
+        "connect_timeout",
+    }
     store = StoreSettings(
         backend=backend,
         endpoints=endpoints,
@@ -313,6 +354,12 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         run_id = f"standalone-{uuid.uuid4().hex[:8]}"
     run_dir = Path(a["run_dir"]) if a["run_dir"] else Path("flexrun-runs") / run_id
     nproc = parse_nproc(a["nproc_per_node"])
+    mode = resolve_mode(str(a["mode"]), a["training_script"], module=bool(a["module"]) or bool(a["no_python"]))
+    spares_raw = a["warm_spares"]
+    try:
+        spares = int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else 0)
+    except ValueError:
+        raise ConfigError(f"--warm-spares {spares_raw!r}: expected an integer") from None
     console = frozenset({"stdout", "stderr"}) - _streams(a["redirects"], "--redirects")
     return RunConfig(
         entrypoint=a["training_script"],
@@ -332,6 +379,8 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         store=store,
         rendezvous=rdzv,
         environ=dict(environ),
+        mode=mode,
+        warm_spares=spares,
     )
 
 
@@ -340,6 +389,25 @@ def _default_local_addr(endpoints: tuple[tuple[str, int], ...]) -> str:
     if not endpoints or endpoints[0][0] in _LOCAL_NAMES or endpoints[0][0].startswith("127."):
         return "127.0.0.1"
     return socket.getfqdn()
+
+
+LIVE_API_MARKERS = ("LiveLoop",)
+
+
+def resolve_mode(mode: str, script: str, *, module: bool) -> str:
+    """``auto`` -> ``live`` when the script uses flexrun.train's loop API, else ``restart``."""
+    mode = mode.strip().lower()
+    if mode != "auto":
+        if mode not in ("live", "restart"):
+            raise ConfigError(f"--mode {mode!r}: choose live, restart or auto")
+        return mode
+    if module:
+        return "restart"
+    try:
+        text = Path(script).read_text(errors="replace")
+    except OSError:
+        return "restart"
+    return "live" if any(m in text for m in LIVE_API_MARKERS) else "restart"
 
 
 def env_default(environ: Mapping[str, str], option: str, default: str | None) -> str | None:

@@ -39,7 +39,9 @@ def _etcd() -> Iterator[Store]:
             pytest.fail(f"{MISSING}; CI must run the etcd contract tests")
         pytest.skip(MISSING)
     if os.environ.get("CI") != "true":  # in CI a missing etcd3gw must fail, not skip
-        pytest.importorskip("etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')")
+        pytest.importorskip(
+            "etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')"
+        )
     from flexrun.store.etcd import EtcdStore
 
     with tempfile.TemporaryDirectory() as root, EtcdCluster(Path(root)) as cluster:

@@ -26,7 +26,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
+def wait_for(
+    pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1
+) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
@@ -82,14 +84,21 @@ class Procs:
         self.procs: list[subprocess.Popen[str]] = []
         self.tree: set[int] = set()
 
-    def start(self, args: list[str], *, env: dict[str, str] | None = None, name: str = "p") -> subprocess.Popen[str]:
+    def start(
+        self, args: list[str], *, env: dict[str, str] | None = None, name: str = "p"
+    ) -> subprocess.Popen[str]:
         full_env = dict(os.environ)
         full_env.update(env or {})
         out = open(self.tmp / f"{name}.out", "w")  # noqa: SIM115
         err = open(self.tmp / f"{name}.err", "w")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "flexrun", *args],
-            stdout=out, stderr=err, text=True, env=full_env, start_new_session=True, cwd=self.tmp,
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+            cwd=self.tmp,
         )
         proc.name = name  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -132,7 +141,9 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 def store_server(procs: Procs) -> Iterator[tuple[str, int]]:
     port = free_port()
     proc = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store")
-    wait_for(lambda: "listening" in (procs.tmp / "store.out").read_text(), 30, "flexrun store to listen")
+    wait_for(
+        lambda: "listening" in (procs.tmp / "store.out").read_text(), 30, "flexrun store to listen"
+    )
     yield "127.0.0.1", port
     proc.terminate()
     proc.wait(timeout=10)

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+from support import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
 
 
 def _worker_pids(agent_pid: int, n: int, timeout: float = 60) -> list[int]:
@@ -24,13 +24,26 @@ def _worker_pids(agent_pid: int, n: int, timeout: float = 60) -> list[int]:
 def test_unmodified_torchrun_script_trains_to_completion(procs: Procs) -> None:
     progress = procs.tmp / "progress.jsonl"
     agent = procs.start(
-        ["run", "--standalone", "--nproc_per_node", "2", "--run-dir", str(procs.tmp / "run"),
-         str(DDP_STEPS), "--steps", "10", "--progress", str(progress)],
+        [
+            "run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--run-dir",
+            str(procs.tmp / "run"),
+            str(DDP_STEPS),
+            "--steps",
+            "10",
+            "--progress",
+            str(progress),
+        ],
         name="agent",
     )
     assert agent.wait(timeout=100) == 0, procs.stderr("agent")
     rows = read_progress(progress)
-    assert sorted({(r["rank"], r["step"]) for r in rows}) == [(r, s) for r in range(2) for s in range(10)]
+    assert sorted({(r["rank"], r["step"]) for r in rows}) == [
+        (r, s) for r in range(2) for s in range(10)
+    ]
     assert {r["world"] for r in rows} == {2}
     events = {e["event"] for e in read_events(procs.tmp / "run")}
     assert {"rendezvous_completed", "worker_started", "worker_exited", "job_finished"} <= events
@@ -44,30 +57,65 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
         ckpt = procs.tmp / f"ckpt{i}.pt"
         name = f"agent{i}"
         agent = procs.start(
-            ["run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
-             "--run-dir", str(procs.tmp / f"run{i}"), str(DDP_STEPS), "--steps", "12",
-             "--step-time", "0.05", "--ckpt", str(ckpt), "--ckpt-every", "2", "--progress", str(progress)],
+            [
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "4",
+                "--max-restarts",
+                "3",
+                "--run-dir",
+                str(procs.tmp / f"run{i}"),
+                str(DDP_STEPS),
+                "--steps",
+                "12",
+                "--step-time",
+                "0.05",
+                "--ckpt",
+                str(ckpt),
+                "--ckpt-every",
+                "2",
+                "--progress",
+                str(progress),
+            ],
             name=name,
         )
         pids = _worker_pids(agent.pid, 4)
-        wait_for(lambda p=progress: any(r["step"] >= 1 for r in read_progress(p)), 60, "first steps")
+        wait_for(
+            lambda p=progress: any(r["step"] >= 1 for r in read_progress(p)), 60, "first steps"
+        )
         victim = rng.choice(pids)
         os.kill(victim, signal.SIGKILL)
         assert agent.wait(timeout=120) == 0, f"iteration {i}: {procs.stderr(name)[-3000:]}"
         rows = read_progress(progress)
         last_attempt = max(r["attempt"] for r in rows)
-        assert last_attempt != min(r["attempt"] for r in rows), f"iteration {i}: no restart happened"
+        assert last_attempt != min(r["attempt"] for r in rows), (
+            f"iteration {i}: no restart happened"
+        )
         final = {(r["rank"], r["step"]) for r in rows if r["attempt"] == last_attempt}
         assert {(r, 11) for r in range(4)} <= final, f"iteration {i}: did not complete"
         assert alive_pids(pids) == []
 
 
 @pytest.mark.timeout(120)
-def test_max_restarts_2_with_a_failing_script_exits_1_after_exactly_3_attempts(procs: Procs) -> None:
+def test_max_restarts_2_with_a_failing_script_exits_1_after_exactly_3_attempts(
+    procs: Procs,
+) -> None:
     run_dir = procs.tmp / "run"
     agent = procs.start(
-        ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--run-dir", str(run_dir),
-         str(DDP_STEPS), "--fail-rank", "1"],
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            str(DDP_STEPS),
+            "--fail-rank",
+            "1",
+        ],
         name="agent",
     )
     assert agent.wait(timeout=100) == 1
@@ -86,9 +134,25 @@ def test_sigterm_to_agent_forwards_to_workers_and_exits_143_leaving_nothing(proc
     marker = procs.tmp / "sigterm"
     progress = procs.tmp / "progress.jsonl"
     agent = procs.start(
-        ["run", "--standalone", "--nproc-per-node", "2", "--stop-grace", "10", "--run-dir",
-         str(procs.tmp / "run"), str(DDP_STEPS), "--steps", "100000", "--step-time", "0.05",
-         "--progress", str(progress), "--on-sigterm", str(marker)],
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--stop-grace",
+            "10",
+            "--run-dir",
+            str(procs.tmp / "run"),
+            str(DDP_STEPS),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+            "--progress",
+            str(progress),
+            "--on-sigterm",
+            str(marker),
+        ],
         name="agent",
     )
     pids = _worker_pids(agent.pid, 2)
@@ -106,8 +170,19 @@ def test_sigterm_to_agent_forwards_to_workers_and_exits_143_leaving_nothing(proc
 def test_kill_9_of_a_standalone_agent_leaves_no_orphaned_worker(procs: Procs) -> None:
     progress = procs.tmp / "progress.jsonl"
     agent = procs.start(
-        ["run", "--standalone", "--nproc-per-node", "2", "--run-dir", str(procs.tmp / "run"),
-         str(DDP_STEPS), "--steps", "100000", "--progress", str(progress)],
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(procs.tmp / "run"),
+            str(DDP_STEPS),
+            "--steps",
+            "100000",
+            "--progress",
+            str(progress),
+        ],
         name="agent",
     )
     pids = _worker_pids(agent.pid, 2)
@@ -129,8 +204,22 @@ def test_workers_see_the_full_torchrun_environment(procs: Procs) -> None:
         "json.dump({k: os.environ.get(k) for k in keys}, open(sys.argv[1] + os.environ['RANK'], 'w'))\n"
     )
     agent = procs.start(
-        ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--role", "trainer",
-         "--rdzv-id", "envjob", "--run-dir", str(procs.tmp / "run"), str(script), str(procs.tmp / "env")],
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--role",
+            "trainer",
+            "--rdzv-id",
+            "envjob",
+            "--run-dir",
+            str(procs.tmp / "run"),
+            str(script),
+            str(procs.tmp / "env"),
+        ],
         name="agent",
     )
     assert agent.wait(timeout=50) == 0, procs.stderr("agent")
@@ -153,11 +242,16 @@ def test_workers_see_the_full_torchrun_environment(procs: Procs) -> None:
 def test_module_and_no_python_entrypoints(procs: Procs) -> None:
     pkg = procs.tmp / "mymod.py"
     pkg.write_text("import os; open('mod' + os.environ['RANK'], 'w').write('ok')\n")
-    agent = procs.start(["run", "--standalone", "--nproc-per-node", "2", "-m", "mymod"], name="m",
-                        env={"PYTHONPATH": str(procs.tmp)})
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "-m", "mymod"],
+        name="m",
+        env={"PYTHONPATH": str(procs.tmp)},
+    )
     assert agent.wait(timeout=50) == 0, procs.stderr("m")
     assert (procs.tmp / "mod0").exists() and (procs.tmp / "mod1").exists()
-    agent = procs.start(["run", "--standalone", "--no-python", "sh", "-c", "echo hi > nopy$RANK"], name="n")
+    agent = procs.start(
+        ["run", "--standalone", "--no-python", "sh", "-c", "echo hi > nopy$RANK"], name="n"
+    )
     assert agent.wait(timeout=50) == 0, procs.stderr("n")
     assert (procs.tmp / "nopy0").read_text().strip() == "hi"
     _ = psutil, time

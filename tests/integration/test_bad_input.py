@@ -7,12 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DDP_STEPS, free_port
+from support import DDP_STEPS, free_port
 
 
 def _flexrun(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "flexrun", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [sys.executable, "-m", "flexrun", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -20,7 +24,11 @@ def _assert_clean_error(res: subprocess.CompletedProcess[str], *needles: str) ->
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr, res.stderr
     # Informational "[flexrun] ..." log lines may precede it; the error itself is one line.
-    lines = [line for line in res.stderr.splitlines() if line.strip() and not line.startswith("[flexrun]")]
+    lines = [
+        line
+        for line in res.stderr.splitlines()
+        if line.strip() and not line.startswith("[flexrun]")
+    ]
     assert len(lines) == 1 and lines[0].startswith("flexrun: error: "), res.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
@@ -34,20 +42,26 @@ def _assert_clean_error(res: subprocess.CompletedProcess[str], *needles: str) ->
         (["--nnodes", "abc"], ["--nnodes 'abc'", "MIN:MAX"]),
         (["--nproc-per-node", "0"], ["--nproc-per-node"]),
         (["--nproc_per_node", "two"], ["--nproc-per-node 'two'"]),
-        (["--rdzv-backend", "zookeeper", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"],
-         ["--rdzv-backend 'zookeeper' is unknown"]),
+        (
+            ["--rdzv-backend", "zookeeper", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"],
+            ["--rdzv-backend 'zookeeper' is unknown"],
+        ),
         (["--nnodes", "2"], ["--rdzv-endpoint"]),
         (["--rdzv-conf", "join_timeout"], ["--rdzv-conf"]),
         (["--max-restarts", "-1"], ["--max-restarts"]),
     ],
 )
-def test_bad_flags_give_one_line_and_exit_2(tmp_path: Path, args: list[str], needles: list[str]) -> None:
+def test_bad_flags_give_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], needles: list[str]
+) -> None:
     _assert_clean_error(_flexrun(["run", *args, str(DDP_STEPS)], tmp_path), *needles)
 
 
 @pytest.mark.timeout(60)
 def test_missing_script(tmp_path: Path) -> None:
-    _assert_clean_error(_flexrun(["run", "--standalone", "nope.py"], tmp_path), "nope.py", "does not exist")
+    _assert_clean_error(
+        _flexrun(["run", "--standalone", "nope.py"], tmp_path), "nope.py", "does not exist"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -59,8 +73,18 @@ def test_unknown_option(tmp_path: Path) -> None:
 def test_an_endpoint_on_another_host_that_refuses_connections(tmp_path: Path) -> None:
     port = free_port()
     res = _flexrun(
-        ["run", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.2:{port}", "--rdzv-id", "j",
-         "--rdzv-conf", "connect_timeout=2", str(DDP_STEPS)],
+        [
+            "run",
+            "--nnodes",
+            "1:2",
+            "--rdzv-endpoint",
+            f"127.0.0.2:{port}",
+            "--rdzv-id",
+            "j",
+            "--rdzv-conf",
+            "connect_timeout=2",
+            str(DDP_STEPS),
+        ],
         tmp_path,
     )
     _assert_clean_error(res, f"127.0.0.2:{port}", "flexrun store")
@@ -70,8 +94,20 @@ def test_an_endpoint_on_another_host_that_refuses_connections(tmp_path: Path) ->
 def test_a_rendezvous_that_times_out_waiting_for_min_nodes(tmp_path: Path) -> None:
     port = free_port()
     res = _flexrun(
-        ["run", "--nnodes", "2:3", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j",
-         "--rdzv-conf", "join_timeout=2", "--run-dir", str(tmp_path / "run"), str(DDP_STEPS)],
+        [
+            "run",
+            "--nnodes",
+            "2:3",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "j",
+            "--rdzv-conf",
+            "join_timeout=2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            str(DDP_STEPS),
+        ],
         tmp_path,
     )
     _assert_clean_error(res, "rendezvous timed out", "MIN is 2")
@@ -84,6 +120,10 @@ def test_pet_environment_supplies_defaults_like_torchrun(tmp_path: Path) -> None
     env = dict(os.environ, PET_NNODES="3:1")
     res = subprocess.run(
         [sys.executable, "-m", "flexrun", "run", str(DDP_STEPS)],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=env,
     )
     _assert_clean_error(res, "--nnodes '3:1'")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+from support import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
 
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
 
@@ -24,7 +24,9 @@ def _require_etcd() -> None:
     if os.environ.get("CI") == "true":
         import etcd3gw  # noqa: F401  (in CI a missing etcd extra must fail, not skip)
     else:
-        pytest.importorskip("etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')")
+        pytest.importorskip(
+            "etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')"
+        )
 
 
 def _etcd(tmp: Path, size: int) -> Iterator[EtcdCluster]:
@@ -47,10 +49,34 @@ def _agent(procs: Procs, cluster: EtcdCluster, name: str, progress: Path, first:
     # Agents talk to the first endpoint that answers; ``first`` chooses which member that is.
     eps = cluster.endpoints[first:] + cluster.endpoints[:first]
     return procs.start(
-        ["run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
-         "--rdzv-endpoint", ",".join(f"{h}:{p}" for h, p in eps), "--rdzv-id", "job", "--rdzv-conf", HB,
-         "--max-restarts", "0", "--node-id", name, "--run-dir", str(procs.tmp / f"run-{name}"),
-         str(DDP_STEPS), "--steps", "100000", "--step-time", "0.05", "--progress", str(progress)],
+        [
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            ",".join(f"{h}:{p}" for h, p in eps),
+            "--rdzv-id",
+            "job",
+            "--rdzv-conf",
+            HB,
+            "--max-restarts",
+            "0",
+            "--node-id",
+            name,
+            "--run-dir",
+            str(procs.tmp / f"run-{name}"),
+            str(DDP_STEPS),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+            "--progress",
+            str(progress),
+        ],
         name=name,
     )
 
@@ -66,14 +92,18 @@ def test_kill_9_of_one_agent_on_etcd_leaves_the_survivor_alone_then_a_new_agent_
     progress = procs.tmp / "progress.jsonl"
     a = _agent(procs, etcd1, "a", progress)
     b = _agent(procs, etcd1, "b", progress)
-    wait_for(lambda: 2 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 2)")
+    wait_for(
+        lambda: 2 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 2)"
+    )
 
     tree_a = [p.pid for p in descendants(a.pid)]
     os.killpg(a.pid, signal.SIGKILL)  # the agent and its workers: a lost node
     a.wait(timeout=10)
     t_kill = time.time()
     # The lease TTL (heartbeat_timeout=3) plus a restart; the bound is generous, not a speed claim.
-    wait_for(lambda: 1 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 1")
+    wait_for(
+        lambda: 1 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 1"
+    )
     assert b.poll() is None
     wait_for(lambda: alive_pids(tree_a) == [], 10, "the lost node's workers to be gone")
     lost = [e for e in read_events(procs.tmp / "run-b") if e["event"] == "node_lost"]
@@ -99,14 +129,18 @@ def test_killing_the_etcd_leader_of_a_3_member_cluster_changes_no_round_and_rest
     leader = etcd3.leader()
     a = _agent(procs, etcd3, "a", progress, first=leader)
     b = _agent(procs, etcd3, "b", progress, first=leader)
-    wait_for(lambda: 2 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 2)")
+    wait_for(
+        lambda: 2 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 2)"
+    )
     time.sleep(1.0)  # let the round settle: both agents have seen "running"
 
     def started(node: str) -> int:
         return sum(e["event"] == "worker_started" for e in read_events(procs.tmp / f"run-{node}"))
 
     def completed(node: str) -> int:
-        return sum(e["event"] == "rendezvous_completed" for e in read_events(procs.tmp / f"run-{node}"))
+        return sum(
+            e["event"] == "rendezvous_completed" for e in read_events(procs.tmp / f"run-{node}")
+        )
 
     before = {n: (started(n), completed(n)) for n in ("a", "b")}
     leader = etcd3.leader()  # (leadership rarely moves, but kill whoever leads now)
@@ -114,7 +148,8 @@ def test_killing_the_etcd_leader_of_a_3_member_cluster_changes_no_round_and_rest
     t_kill = time.time()
     # Twice the heartbeat timeout: long enough for a lost lease or a broken watch to show.
     wait_for(
-        lambda: any(r["ts"] > t_kill + 7 for r in read_progress(progress)), 60,
+        lambda: any(r["ts"] > t_kill + 7 for r in read_progress(progress)),
+        60,
         "training to continue 7 s past the leader's death",
     )
     after = [r for r in read_progress(progress) if r["ts"] > t_kill]

@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from support import free_port
 
 from flexrun.config import StoreSettings
 from flexrun.errors import ConfigError, StoreError, StoreUnavailable
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
 
 if os.environ.get("CI") != "true":  # in CI a missing etcd3gw must fail, not skip
-    pytest.importorskip("etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')")
+    pytest.importorskip(
+        "etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')"
+    )
 
 from flexrun.store.etcd import EtcdStore  # noqa: E402
 
@@ -49,7 +51,9 @@ def test_a_client_fails_over_when_its_etcd_member_dies_mid_watch(tmp_path: Path)
             store.put("hb/me", b"1", ttl_s=5)
             since = store.revision()
             result: list[tuple[bool, int]] = []
-            waiter = threading.Thread(target=lambda: result.append(store.wait_for_change("w/", since, 30)))
+            waiter = threading.Thread(
+                target=lambda: result.append(store.wait_for_change("w/", since, 30))
+            )
             waiter.start()
             cluster.kill(leader)
             rev = store.put("w/x", b"after")
@@ -72,7 +76,9 @@ def test_unreachable_endpoints_raise_store_unavailable_naming_every_endpoint() -
 
 def test_unknown_or_inconsistent_options_are_config_errors() -> None:
     def settings(**conf: str) -> StoreSettings:
-        return StoreSettings(backend="etcd-v3", endpoints=(("127.0.0.1", 1),), conf=conf, connect_timeout_s=0.1)
+        return StoreSettings(
+            backend="etcd-v3", endpoints=(("127.0.0.1", 1),), conf=conf, connect_timeout_s=0.1
+        )
 
     with pytest.raises(ConfigError, match="cacertt"):
         EtcdStore.from_settings(settings(cacertt="/x"))
@@ -82,10 +88,15 @@ def test_unknown_or_inconsistent_options_are_config_errors() -> None:
         EtcdStore.from_settings(settings(cacert="/nonexistent/ca.pem"))
 
 
-def _gw(port: int, path: str, body: dict[str, object], token: str | None = None) -> dict[str, object]:
+def _gw(
+    port: int, path: str, body: dict[str, object], token: str | None = None
+) -> dict[str, object]:
     headers = {"Content-Type": "application/json", **({"Authorization": token} if token else {})}
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v3/{path}", data=json.dumps(body).encode(), headers=headers, method="POST"
+        f"http://127.0.0.1:{port}/v3/{path}",
+        data=json.dumps(body).encode(),
+        headers=headers,
+        method="POST",
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         out = json.loads(resp.read())
@@ -93,14 +104,18 @@ def _gw(port: int, path: str, body: dict[str, object], token: str | None = None)
     return out
 
 
-def test_user_password_auth_is_used_and_bad_credentials_are_config_errors(etcd1: EtcdCluster) -> None:
+def test_user_password_auth_is_used_and_bad_credentials_are_config_errors(
+    etcd1: EtcdCluster,
+) -> None:
     port = etcd1.client_ports[0]
     _gw(port, "auth/role/add", {"name": "root"})
     _gw(port, "auth/user/add", {"name": "root", "password": "s3cret"})
     _gw(port, "auth/user/grant", {"user": "root", "role": "root"})
     _gw(port, "auth/enable", {})
     conf = {"user": "root", "password": "s3cret"}
-    store = EtcdStore.from_settings(StoreSettings(backend="etcd", endpoints=tuple(etcd1.endpoints), conf=conf))
+    store = EtcdStore.from_settings(
+        StoreSettings(backend="etcd", endpoints=tuple(etcd1.endpoints), conf=conf)
+    )
     try:
         rev = store.put("k", b"v", ttl_s=3)
         assert store.get("k") is not None and store.get("k").revision == rev  # type: ignore[union-attr]
@@ -121,14 +136,54 @@ def _make_pki(d: Path) -> dict[str, Path]:
     def ssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=flexrun-test-ca",
-        "-keyout", "ca.key", "-out", "ca.pem")
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    ssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=flexrun-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
+    (d / "san.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
     for name in ("server", "client"):
-        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr")
-        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "1", "-extfile", "san.cnf", "-out", f"{name}.pem")
+        ssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.cnf",
+            "-out",
+            f"{name}.pem",
+        )
     return {n: d / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
@@ -140,10 +195,18 @@ def test_tls_with_a_client_certificate_is_used_and_a_missing_one_is_refused(tmp_
         f = _make_pki(pki)
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"openssl could not make test certificates: {exc}")
-    with EtcdCluster(tmp_path / "etcd", tls=(f["ca.pem"], f["server.pem"], f["server.key"])) as cluster:
-        conf = {"cacert": str(f["ca.pem"]), "cert": str(f["client.pem"]), "key": str(f["client.key"])}
+    with EtcdCluster(
+        tmp_path / "etcd", tls=(f["ca.pem"], f["server.pem"], f["server.key"])
+    ) as cluster:
+        conf = {
+            "cacert": str(f["ca.pem"]),
+            "cert": str(f["client.pem"]),
+            "key": str(f["client.key"]),
+        }
         store = EtcdStore.from_settings(
-            StoreSettings(backend="etcd", endpoints=tuple(cluster.endpoints), conf=conf, connect_timeout_s=10)
+            StoreSettings(
+                backend="etcd", endpoints=tuple(cluster.endpoints), conf=conf, connect_timeout_s=10
+            )
         )
         try:
             rev = store.put("k", b"v")

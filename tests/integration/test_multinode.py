@@ -6,7 +6,7 @@ import os
 import signal
 
 import pytest
-from conftest import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+from support import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
 
 HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
 
@@ -14,10 +14,35 @@ HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_time
 def _agent(procs: Procs, store: tuple[str, int], name: str, progress, *extra: str):  # type: ignore[no-untyped-def]
     host, port = store
     return procs.start(
-        ["run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "job", "--rdzv-conf", HB,
-         "--max-restarts", "0", "--node-id", name, "--run-dir", str(procs.tmp / f"run-{name}"),
-         *extra, str(DDP_STEPS), "--steps", "100000", "--step-time", "0.05", "--progress", str(progress)],
+        [
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{host}:{port}",
+            "--rdzv-id",
+            "job",
+            "--rdzv-conf",
+            HB,
+            "--max-restarts",
+            "0",
+            "--node-id",
+            name,
+            "--run-dir",
+            str(procs.tmp / f"run-{name}"),
+            *extra,
+            str(DDP_STEPS),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+            "--progress",
+            str(progress),
+        ],
         name=name,
     )
 
@@ -33,7 +58,9 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
     progress = procs.tmp / "progress.jsonl"
     a = _agent(procs, store_server, "a", progress)
     b = _agent(procs, store_server, "b", progress)
-    wait_for(lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)")
+    wait_for(
+        lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)"
+    )
 
     tree_a = [p.pid for p in descendants(a.pid)]
     os.killpg(a.pid, signal.SIGKILL)  # the agent and its workers: a lost node
@@ -41,7 +68,9 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
     import time
 
     t_kill = time.time()
-    wait_for(lambda: 2 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2")
+    wait_for(
+        lambda: 2 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2"
+    )
     assert b.poll() is None
     wait_for(lambda: alive_pids(tree_a) == [], 10, "the lost node's workers to be gone")
 
@@ -51,8 +80,12 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
     assert b.poll() is None and c.poll() is None
     events = read_events(procs.tmp / "run-b")
     kinds = [e["event"] for e in events]
-    assert "node_lost" in kinds or any(e["event"] == "scale_down" for e in read_events(procs.tmp / "run-c"))
-    assert "scale_up" in kinds or "scale_up" in [e["event"] for e in read_events(procs.tmp / "run-c")]
+    assert "node_lost" in kinds or any(
+        e["event"] == "scale_down" for e in read_events(procs.tmp / "run-c")
+    )
+    assert "scale_up" in kinds or "scale_up" in [
+        e["event"] for e in read_events(procs.tmp / "run-c")
+    ]
 
 
 @pytest.mark.timeout(240)
@@ -64,10 +97,16 @@ def test_a_stopped_node_is_removed_within_the_heartbeat_timeout(
     progress = procs.tmp / "progress.jsonl"
     a = _agent(procs, store_server, "a", progress)
     b = _agent(procs, store_server, "b", progress)
-    wait_for(lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)")
+    wait_for(
+        lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)"
+    )
     os.killpg(a.pid, signal.SIGSTOP)  # agent and workers frozen: alive but silent
     t_stop = time.time()
-    wait_for(lambda: 2 in _worlds_after(progress, t_stop + 0.5), 60, "survivors re-formed without the stopped node")
+    wait_for(
+        lambda: 2 in _worlds_after(progress, t_stop + 0.5),
+        60,
+        "survivors re-formed without the stopped node",
+    )
     rounds = [e for e in read_events(procs.tmp / "run-b") if e["event"] == "rendezvous_completed"]
     last = rounds[-1]
     assert last["members"] == ["b"] and last["world_size"] == 2
@@ -80,10 +119,12 @@ def test_a_stopped_node_is_removed_within_the_heartbeat_timeout(
 
 
 @pytest.mark.timeout(240)
-def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_store(procs: Procs) -> None:
+def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_store(
+    procs: Procs,
+) -> None:
     import time
 
-    from conftest import free_port
+    from support import free_port
 
     port = free_port()
     store = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store1")
@@ -97,20 +138,31 @@ def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_st
     t_down = time.time()
     time.sleep(4)  # longer than the heartbeat timeout: nothing may react to the outage but logs
     during = [r for r in read_progress(progress) if r["ts"] > t_down + 0.5]
-    assert during and {r["attempt"] for r in during} == {"1"}, "training stopped while the store was down"
+    assert during and {r["attempt"] for r in during} == {"1"}, (
+        "training stopped while the store was down"
+    )
     assert a.poll() is None
 
     store2 = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store2")
     wait_for(lambda: "listening" in (procs.tmp / "store2.out").read_text(), 30, "restarted store")
-    wait_for(lambda: "store_recovered" in [e["event"] for e in read_events(procs.tmp / "run-a")], 30,
-             "the agent to reconnect")
+    wait_for(
+        lambda: "store_recovered" in [e["event"] for e in read_events(procs.tmp / "run-a")],
+        30,
+        "the agent to reconnect",
+    )
     kinds = [e["event"] for e in read_events(procs.tmp / "run-a")]
     assert "store_unavailable" in kinds and ("store_rejoined" in kinds or "round_restored" in kinds)
-    assert {r["attempt"] for r in read_progress(progress)} == {"1"}, "the outage restarted the workers"
+    assert {r["attempt"] for r in read_progress(progress)} == {"1"}, (
+        "the outage restarted the workers"
+    )
 
     # The restored store is live: a second node can join and the job grows to world size 4.
     t_join = time.time()
     _agent(procs, ("127.0.0.1", port), "b", progress)
-    wait_for(lambda: 4 in _worlds_after(progress, t_join), 90, "the job to grow after the store came back")
+    wait_for(
+        lambda: 4 in _worlds_after(progress, t_join),
+        90,
+        "the job to grow after the store came back",
+    )
     assert a.poll() is None
     store2.terminate()

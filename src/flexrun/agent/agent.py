@@ -18,10 +18,11 @@ from types import FrameType
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.live import LiveSupervisor
 from flexrun.agent.spec import worker_envs
 from flexrun.agent.workers import WorkerGroup, WorkerResult, build_command
 from flexrun.config import RunConfig
-from flexrun.errors import StoreUnavailable
+from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.observe.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
@@ -43,13 +44,26 @@ class _Terminated(BaseException):
 class ElasticAgent:
     """Runs this node's workers for as long as the job runs."""
 
-    def __init__(self, config: RunConfig, store: Store, *, events: EventLog, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        store: Store,
+        *,
+        events: EventLog,
+        clock: Clock = SYSTEM_CLOCK,
+        store_addr: tuple[str, int] | None = None,
+    ) -> None:
         self.config = config
         self.events = events
         self.clock = clock
         self.me = NodeRecord(config.node_id, config.local_addr, config.nproc_per_node, pid=_pid())
         self.rdzv = RendezvousHandler(
-            store, run_id=config.run_id, me=self.me, settings=config.rendezvous, events=events, clock=clock
+            store,
+            run_id=config.run_id,
+            me=self.me,
+            settings=config.rendezvous,
+            events=events,
+            clock=clock,
         )
         self.group: WorkerGroup | None = None
         self.running: int | None = None
@@ -63,6 +77,14 @@ class ElasticAgent:
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
+        self.live: LiveSupervisor | None = None
+        if config.mode == "live":
+            if store_addr is None:
+                raise ConfigError("--mode live needs the tcp store")
+            self.live = LiveSupervisor(
+                config, self.rdzv, store, store_addr, self._command,
+                events=events, warm_spares=config.warm_spares, clock=clock,
+            )
 
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
@@ -74,7 +96,11 @@ class ElasticAgent:
             self._finish(code)
             return code
         except _Terminated as t:
-            log.warning("received %s: stopping workers (grace %gs)", signal.Signals(t.signum).name, self.config.stop_grace_s)
+            log.warning(
+                "received %s: stopping workers (grace %gs)",
+                signal.Signals(t.signum).name,
+                self.config.stop_grace_s,
+            )
             self.events.emit("preempted", signal=signal.Signals(t.signum).name)
             self._stop_workers(self.config.stop_grace_s, reason="signal")
             code = 128 + t.signum
@@ -135,6 +161,14 @@ class ElasticAgent:
         if self._pending_failure is not None:
             self._settle_failure(*self._pending_failure)
             self._pending_failure = None
+        if self.live is not None and self.live.active and self.live.poll() == 0:
+            finished = self.running
+            self._stop_workers(0, reason="finished")
+            try:
+                self.rdzv.close(finished if finished is not None else 0)
+            except StoreUnavailable as exc:
+                log.warning("workers finished, but the store could not be told (%s)", exc)
+            return 0
         if self.group is not None:
             outcome = self._check_workers()
             if outcome is not None:
@@ -142,7 +176,9 @@ class ElasticAgent:
             if self._pending_failure is not None:
                 return None
         action = self.rdzv.step(self.running)
-        if isinstance(action, Run):
+        if isinstance(action, Run) and self.live is not None:
+            self._live_round(action.round)
+        elif isinstance(action, Run):
             self._start_round(action.round)
         elif isinstance(action, Stop):
             log.info("stopping workers: %s", action.reason)
@@ -154,8 +190,26 @@ class ElasticAgent:
             return action.code
         else:
             interval = self.config.monitor_interval_s
-            self.rdzv.wait(interval if self.group is not None else max(interval, 0.5))
+            busy = self.group is not None or (self.live is not None and self.live.active)
+            self.rdzv.wait(interval if busy else max(interval, 0.5))
         return None
+
+    def _live_round(self, rnd: RoundRecord) -> None:
+        """Live mode: a new round changes the membership epoch, never the survivors."""
+        assert self.live is not None
+        self.events.round = rnd.number
+        if self.live.active:
+            log.info("round %d (%s): live workers carry on; publishing the new membership", rnd.number, rnd.reason)
+            self.live.on_round(rnd)
+        else:
+            self.live.start(rnd)
+            self._runs += 1
+            self._run_started = self.clock.monotonic()
+        self.running = rnd.number
+        self.events.emit(
+            "rendezvous_completed", round=rnd.number, members=rnd.member_ids, world_size=rnd.world_size(),
+            group_rank=rnd.group_rank(self.me.node_id), reason=rnd.reason, mode="live",
+        )
 
     def _on_outage(self, exc: StoreUnavailable) -> None:
         """The store is unreachable: keep the workers (their process group is formed),
@@ -166,9 +220,16 @@ class ElasticAgent:
             if self.group is not None:
                 log.warning("store unreachable (%s); workers keep training, retrying", exc)
             else:
-                log.warning("store unreachable (%s); waiting for it: no membership change can happen meanwhile", exc)
-            self.events.emit("store_unavailable", error=str(exc), workers_running=self.group is not None)
-        elif self.group is None and now - self._outage_since > self.config.rendezvous.join_timeout_s:
+                log.warning(
+                    "store unreachable (%s); waiting for it: no membership change can happen meanwhile",
+                    exc,
+                )
+            self.events.emit(
+                "store_unavailable", error=str(exc), workers_running=self.group is not None
+            )
+        elif (
+            self.group is None and now - self._outage_since > self.config.rendezvous.join_timeout_s
+        ):
             raise exc
         self._outage_tries += 1
         self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))
@@ -217,8 +278,11 @@ class ElasticAgent:
             self.events.emit("worker_started", rank=w.rank, local_rank=w.local_rank, pid=w.proc.pid)
         log.info(
             "round %d: %d node(s), world size %d, ranks %d-%d here",
-            rnd.number, len(rnd.members), rnd.world_size(),
-            rnd.rank_base(self.me.node_id), rnd.rank_base(self.me.node_id) + self.config.nproc_per_node - 1,
+            rnd.number,
+            len(rnd.members),
+            rnd.world_size(),
+            rnd.rank_base(self.me.node_id),
+            rnd.rank_base(self.me.node_id) + self.config.nproc_per_node - 1,
         )
 
     def _check_workers(self) -> int | None:
@@ -255,18 +319,26 @@ class ElasticAgent:
     def _settle_failure(self, failed_round: int, cause: dict[str, Any], consequence: bool) -> None:
         """Count a local failure against --max-restarts, unless a peer's loss explains it."""
         if consequence and self._peer_moved_on(failed_round):
-            log.info("rank %s lost a peer; following the new round (not counted as a failure)", cause["rank"])
+            log.info(
+                "rank %s lost a peer; following the new round (not counted as a failure)",
+                cause["rank"],
+            )
             return
         rec = self.rdzv.report_failure(failed_round, cause)
         self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
         what = f"rank {cause['rank']} failed ({_describe_cause(cause)})"
         if rec.state == FAILED:
-            log.error("%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts)
+            log.error(
+                "%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts
+            )
         elif rec.state == RUNNING and rec.reason == "failure":
             self.events.emit("restart", round=rec.number, reason="failure", restarts=rec.restarts)
             log.warning(
                 "%s: %s; restarting (failure %d of at most %d)",
-                what, cause.get("message") or "", rec.restarts, self.config.rendezvous.max_restarts,
+                what,
+                cause.get("message") or "",
+                rec.restarts,
+                self.config.rendezvous.max_restarts,
             )
 
     def _peer_moved_on(self, failed_round: int) -> bool:
@@ -277,22 +349,37 @@ class ElasticAgent:
         this node count the failure against --max-restarts.
         """
         settings = self.config.rendezvous
-        deadline = self.clock.monotonic() + settings.heartbeat_timeout_s + 2 * settings.heartbeat_interval_s
+        deadline = (
+            self.clock.monotonic()
+            + settings.heartbeat_timeout_s
+            + 2 * settings.heartbeat_interval_s
+        )
         while self.clock.monotonic() < deadline:
             self.rdzv.step(failed_round)
             rnd = self.rdzv.round
             if rnd is None or rnd.number != failed_round:
                 return True
-            self.rdzv.wait(min(settings.heartbeat_interval_s, max(deadline - self.clock.monotonic(), 0.01)))
+            self.rdzv.wait(
+                min(settings.heartbeat_interval_s, max(deadline - self.clock.monotonic(), 0.01))
+            )
         return False
 
     def _emit_exit(self, r: WorkerResult) -> None:
         self.events.emit(
-            "worker_exited", rank=r.rank, local_rank=r.local_rank, pid=r.pid,
-            exit_code=r.exit_code, signal=r.signal_name,
+            "worker_exited",
+            rank=r.rank,
+            local_rank=r.local_rank,
+            pid=r.pid,
+            exit_code=r.exit_code,
+            signal=r.signal_name,
         )
 
     def _stop_workers(self, grace_s: float, *, reason: str, productive: bool = True) -> None:
+        if self.live is not None and (self.live.active or self.live.spares):
+            self.live.stop(grace_s)
+            if productive:
+                self._productive_s += self.clock.monotonic() - self._run_started
+            self.running = None
         if self.group is None:
             return
         group, self.group = self.group, None
@@ -305,7 +392,11 @@ class ElasticAgent:
 
 
 def _describe_cause(cause: dict[str, Any]) -> str:
-    return f"killed by {cause['signal']}" if cause.get("signal") else f"exit code {cause.get('exit_code')}"
+    return (
+        f"killed by {cause['signal']}"
+        if cause.get("signal")
+        else f"exit code {cause.get('exit_code')}"
+    )
 
 
 def _print_root_cause(cause: dict[str, Any] | Any, reason: str) -> None:
@@ -329,5 +420,3 @@ def _pid() -> int:
     import os
 
     return os.getpid()
-
-

@@ -12,6 +12,7 @@ from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.observe.events import EventLog
 from flexrun.store.api import Store
+from flexrun.store.tcp import TcpStore
 
 log = logging.getLogger("flexrun.agent")
 
@@ -34,7 +35,7 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
                 "installation (pip install 'flexrun[etcd]')"
             ) from exc
         return etcd.EtcdStore.from_settings(settings), None
-    from flexrun.store.tcp import TcpStore, TcpStoreServer
+    from flexrun.store.tcp import TcpStoreServer
 
     server: TcpStoreServer | None = None
     if not settings.endpoints:
@@ -59,7 +60,8 @@ def launch(config: RunConfig) -> int:
     events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
     store, server = open_store(config.store)
     try:
-        agent = ElasticAgent(config, store, events=events)
+        addr = (store.host, store.port) if isinstance(store, TcpStore) else None
+        agent = ElasticAgent(config, store, events=events, store_addr=addr)
         return agent.run()
     finally:
         store.close()

@@ -35,7 +35,11 @@ def worker_envs(
     base_rank = rnd.rank_base(node_id)
     envs = []
     for local_rank in range(nproc):
-        env = {k: v for k, v in base.items() if k not in _AGENT_ONLY or k in base.get("FLEXRUN_KEEP_ENV", "")}
+        env = {
+            k: v
+            for k, v in base.items()
+            if k not in _AGENT_ONLY or k in base.get("FLEXRUN_KEEP_ENV", "")
+        }
         rank = base_rank + local_rank
         env.update(
             RANK=str(rank),

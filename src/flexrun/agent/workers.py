@@ -76,12 +76,60 @@ class Worker:
     files: list[IO[bytes]] = field(default_factory=list)
 
 
-def build_command(entrypoint: str, args: Sequence[str], *, module: bool, no_python: bool) -> list[str]:
+def build_command(
+    entrypoint: str, args: Sequence[str], *, module: bool, no_python: bool
+) -> list[str]:
     if no_python:
         return [entrypoint, *args]
     if module:
         return [sys.executable, "-u", "-m", entrypoint, *args]
     return [sys.executable, "-u", entrypoint, *args]
+
+
+def spawn_worker(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    wdir: Path,
+    *,
+    rank: int,
+    local_rank: int,
+    stdin: int | None = subprocess.DEVNULL,
+) -> Worker:
+    """Start one worker in its own session, dying with this process, logging to ``wdir``."""
+    wdir.mkdir(parents=True, exist_ok=True)
+    error_file = wdir / "error.json"
+    error_file.unlink(missing_ok=True)
+    out = (wdir / "stdout.log").open("ab")
+    err = (wdir / "stderr.log").open("ab")
+    full = dict(env)
+    full["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    parent = os.getpid()
+    try:
+        proc = subprocess.Popen(
+            list(command),
+            env=full,
+            stdin=stdin,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(parent),  # noqa: PLW0108
+        )
+    except OSError:
+        out.close()
+        err.close()
+        raise
+    return Worker(local_rank, rank, proc, wdir, error_file, files=[out, err])
+
+
+def start_tees(wdir: Path, prefix: str, console_streams: frozenset[str], done: threading.Event) -> list[_Tee]:
+    """Copy a worker's log files to the console while ``done`` is unset."""
+    tees = []
+    for stream, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        if stream in console_streams:
+            tee = _Tee(wdir / f"{stream}.log", prefix, console, done)
+            tee.start()
+            tees.append(tee)
+    return tees
 
 
 class _Tee(threading.Thread):
@@ -176,33 +224,12 @@ class WorkerGroup:
         workers: list[Worker] = []
         tees: list[_Tee] = []
         done = threading.Event()
-        parent = os.getpid()
         try:
             for local_rank, env in enumerate(envs):
                 rank = int(env["RANK"])
-                wdir = log_dir / f"rank_{rank}"
-                wdir.mkdir(parents=True, exist_ok=True)
-                error_file = wdir / "error.json"
-                error_file.unlink(missing_ok=True)
-                out = (wdir / "stdout.log").open("wb")
-                err = (wdir / "stderr.log").open("wb")
-                env = dict(env)
-                env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
-                proc = subprocess.Popen(
-                    list(command),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                    preexec_fn=lambda: _child_setup(parent),  # noqa: PLW0108
-                )
-                workers.append(Worker(local_rank, rank, proc, wdir, error_file, files=[out, err]))
-                for stream, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                    if stream in console_streams:
-                        tee = _Tee(wdir / f"{stream}.log", f"[rank{rank}]:", console, done)
-                        tee.start()
-                        tees.append(tee)
+                w = spawn_worker(command, env, log_dir / f"rank_{rank}", rank=rank, local_rank=local_rank)
+                workers.append(w)
+                tees.extend(start_tees(w.log_dir, f"[rank{rank}]:", console_streams, done))
         except OSError:
             cls(workers, tees, done).stop(grace_s=0)
             raise
@@ -221,7 +248,9 @@ class WorkerGroup:
                 if rc is not None:
                     ended = self._exit_clock.times.get(w.proc.pid, now)
                     w.result = WorkerResult(w.local_rank, w.rank, w.proc.pid, rc, ended)
-        return sorted((w.result for w in self.workers if w.result is not None), key=lambda r: r.ended_at)
+        return sorted(
+            (w.result for w in self.workers if w.result is not None), key=lambda r: r.ended_at
+        )
 
     def all_done(self) -> bool:
         return all(w.result is not None for w in self.workers)
@@ -278,27 +307,33 @@ class WorkerGroup:
 
     def root_cause(self, result: WorkerResult) -> dict[str, Any]:
         """What made ``result``'s worker fail: error file, else the tail of its stderr."""
-        w = next(w for w in self.workers if w.rank == result.rank)
-        cause: dict[str, Any] = {
-            "rank": result.rank,
-            "local_rank": result.local_rank,
-            "pid": result.pid,
-            "exit_code": result.exit_code,
-            "signal": result.signal_name,
-            "message": "",
-            "traceback": "",
-            "log_dir": str(w.log_dir),
-        }
-        parsed = read_error_file(w.error_file)
-        if parsed is not None:
-            cause.update(parsed)
-            return cause
-        tail = _tail(w.log_dir / "stderr.log")
-        cause["traceback"] = tail
-        cause["message"] = _last_exception_line(tail) or (
-            f"killed by {result.signal_name}" if result.signal_name else f"exited with code {result.exit_code}"
-        )
+        return describe_failure(next(w for w in self.workers if w.rank == result.rank), result)
+
+
+def describe_failure(w: Worker, result: WorkerResult) -> dict[str, Any]:
+    """Root cause of one worker's failure: its error file, else the tail of its stderr."""
+    cause: dict[str, Any] = {
+        "rank": result.rank,
+        "local_rank": result.local_rank,
+        "pid": result.pid,
+        "exit_code": result.exit_code,
+        "signal": result.signal_name,
+        "message": "",
+        "traceback": "",
+        "log_dir": str(w.log_dir),
+    }
+    parsed = read_error_file(w.error_file)
+    if parsed is not None:
+        cause.update(parsed)
         return cause
+    tail = _tail(w.log_dir / "stderr.log")
+    cause["traceback"] = tail
+    cause["message"] = _last_exception_line(tail) or (
+        f"killed by {result.signal_name}"
+        if result.signal_name
+        else f"exited with code {result.exit_code}"
+    )
+    return cause
 
 
 def read_error_file(path: Path) -> dict[str, str] | None:
@@ -310,7 +345,10 @@ def read_error_file(path: Path) -> dict[str, str] | None:
     msg = data.get("message")
     if isinstance(msg, dict):
         extra = msg.get("extraInfo") or {}
-        return {"message": str(msg.get("message", "")), "traceback": str(extra.get("py_callstack", ""))}
+        return {
+            "message": str(msg.get("message", "")),
+            "traceback": str(extra.get("py_callstack", "")),
+        }
     if isinstance(msg, str):
         return {"message": msg, "traceback": ""}
     return None
@@ -332,8 +370,12 @@ _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s?)+")
 
 
 _CONSEQUENCES = (
-    "connection closed by peer", "connection reset by peer", "remote worker crashing",
-    "broken pipe", "socket closed", "connection refused",
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crashing",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
 )
 
 

@@ -5,6 +5,18 @@ from flexrun.rendezvous.handler import RendezvousHandler
 from flexrun.rendezvous.state import Keys, MasterRecord, Member, NodeRecord, RoundRecord
 
 __all__ = [
-    "Exit", "Keys", "MasterRecord", "Member", "NodeRecord", "Propose", "RendezvousHandler",
-    "RoundRecord", "Run", "Stop", "View", "Wait", "decide", "next_round",
+    "Exit",
+    "Keys",
+    "MasterRecord",
+    "Member",
+    "NodeRecord",
+    "Propose",
+    "RendezvousHandler",
+    "RoundRecord",
+    "Run",
+    "Stop",
+    "View",
+    "Wait",
+    "decide",
+    "next_round",
 ]

@@ -138,19 +138,26 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
             reason = "node_lost" if lost else "node_left"
             return Propose(next_round(r, alive, settings, reason), r.number, lost=lost, left=left)
         waiters = [n for n in alive if n not in members]
-        if waiters and len(members) < settings.max_nodes and (
-            len(members) + len(waiters) >= settings.max_nodes or window_over
+        if (
+            waiters
+            and len(members) < settings.max_nodes
+            and (len(members) + len(waiters) >= settings.max_nodes or window_over)
         ):
             rec = next_round(r, alive, settings, "scale_up")
-            return Propose(rec, r.number, joined=tuple(n for n in rec.member_ids if n not in members))
+            return Propose(
+                rec, r.number, joined=tuple(n for n in rec.member_ids if n not in members)
+            )
         if view.me in members:
             if view.running != r.number:
                 return Run(r)
             return Wait("training")
         if view.running is not None:
             return Stop(f"not a member of round {r.number}")
-        return Wait(f"standby: round {r.number} is full ({len(members)} of max {settings.max_nodes} nodes)"
-                    if len(members) >= settings.max_nodes else f"waiting to join round {r.number + 1}")
+        return Wait(
+            f"standby: round {r.number} is full ({len(members)} of max {settings.max_nodes} nodes)"
+            if len(members) >= settings.max_nodes
+            else f"waiting to join round {r.number + 1}"
+        )
 
     # No round yet, or too few nodes (PENDING).
     if view.running is not None:

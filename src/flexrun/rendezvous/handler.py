@@ -21,6 +21,7 @@ from flexrun.rendezvous.decide import Action, Propose, View, Wait, decide, next_
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
+    RUNNING,
     Keys,
     MasterRecord,
     NodeRecord,
@@ -76,9 +77,13 @@ class RendezvousHandler:
         self._beat()
         self.store.put(self.keys.node(self.me.node_id), self.me.encode())
         self._joined_at = self.clock.monotonic()
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="flexrun-heartbeat", daemon=True)
+        self._hb_thread = threading.Thread(
+            target=self._heartbeat_loop, name="flexrun-heartbeat", daemon=True
+        )
         self._hb_thread.start()
-        self.events.emit("node_joined", node_id=self.me.node_id, addr=self.me.addr, nproc=self.me.nproc)
+        self.events.emit(
+            "node_joined", node_id=self.me.node_id, addr=self.me.addr, nproc=self.me.nproc
+        )
 
     def _beat(self) -> None:
         self.store.put(
@@ -121,7 +126,7 @@ class RendezvousHandler:
         alive: dict[str, tuple[NodeRecord, int]] = {}
         registered = set()
         for key, e in nodes.items():
-            node_id = key[len(self.keys.nodes):]
+            node_id = key[len(self.keys.nodes) :]
             registered.add(node_id)
             if self.keys.heartbeat(node_id) in beats:
                 alive[node_id] = (NodeRecord.decode(e.value), e.revision)
@@ -146,7 +151,9 @@ class RendezvousHandler:
         if rnd is None and running is not None and self._known_round is not None:
             # The round we train in vanished with the store's state: restore it, so that a
             # store restart costs the running job nothing (first writer wins, all agree).
-            self.store.compare_and_set(self.keys.round, self._known_round.encode(), expected_revision=0)
+            self.store.compare_and_set(
+                self.keys.round, self._known_round.encode(), expected_revision=0
+            )
             self._settle_until = now + self.settings.heartbeat_timeout_s
             self.events.emit("round_restored", round=self._known_round.number)
             rnd, alive, registered = self._read()
@@ -185,7 +192,9 @@ class RendezvousHandler:
         return action
 
     def _propose(self, p: Propose) -> bool:
-        ok, _ = self.store.compare_and_set(self.keys.round, p.record.encode(), expected_revision=self._round_rev)
+        ok, _ = self.store.compare_and_set(
+            self.keys.round, p.record.encode(), expected_revision=self._round_rev
+        )
         if ok:
             rec = p.record
             for n in p.lost:
@@ -193,10 +202,14 @@ class RendezvousHandler:
             for n in p.left:
                 self.events.emit("node_left", node_id=n, round=rec.number)
             if rec.reason == "scale_up":
-                self.events.emit("scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members))
+                self.events.emit(
+                    "scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members)
+                )
             elif rec.reason in ("node_lost", "node_left"):
                 self.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
-            log.info("round %d proposed (%s): %s", rec.number, rec.reason, rec.member_ids or rec.state)
+            log.info(
+                "round %d proposed (%s): %s", rec.number, rec.reason, rec.member_ids or rec.state
+            )
         return ok
 
     def wait(self, timeout_s: float) -> bool:
@@ -238,7 +251,29 @@ class RendezvousHandler:
                 # Someone already moved on (another failure or a membership change).
                 assert rnd is not None
                 return rnd
-            rec = next_round(rnd, alive, self.settings, "failure", failure=True, root_cause=root_cause)
+            rec = next_round(
+                rnd, alive, self.settings, "failure", failure=True, root_cause=root_cause
+            )
+            ok, _ = self.store.compare_and_set(
+                self.keys.round, rec.encode(), expected_revision=self._round_rev
+            )
+            if ok:
+                return rec
+
+    def count_failure(self, root_cause: Mapping[str, Any]) -> RoundRecord:
+        """Live mode: count a failure against --max-restarts without changing the round
+        (survivors keep running); end the job if restarts are spent."""
+        while True:
+            rnd, _, _ = self._read()
+            if rnd is None or rnd.state != RUNNING:
+                assert rnd is not None
+                return rnd
+            restarts = rnd.restarts + 1
+            if restarts > self.settings.max_restarts:
+                code = int(root_cause.get("exit_code") or 1)
+                rec = RoundRecord(rnd.number + 1, FAILED, (), restarts, "restarts_exhausted", code, dict(root_cause))
+            else:
+                rec = RoundRecord(rnd.number, RUNNING, rnd.members, restarts, rnd.reason, 0, rnd.root_cause)
             ok, _ = self.store.compare_and_set(self.keys.round, rec.encode(), expected_revision=self._round_rev)
             if ok:
                 return rec
@@ -250,8 +285,8 @@ class RendezvousHandler:
             if rnd is None or rnd.state in (CLOSED, FAILED):
                 return
             rec = RoundRecord(rnd.number, CLOSED, rnd.members, rnd.restarts, "finished")
-            ok, _ = self.store.compare_and_set(self.keys.round, rec.encode(), expected_revision=self._round_rev)
+            ok, _ = self.store.compare_and_set(
+                self.keys.round, rec.encode(), expected_revision=self._round_rev
+            )
             if ok:
                 return
-
-

@@ -83,7 +83,9 @@ class NodeRecord:
     @classmethod
     def decode(cls, raw: bytes) -> NodeRecord:
         d = _load(raw, "node")
-        return cls(node_id=d["node_id"], addr=d["addr"], nproc=int(d["nproc"]), pid=int(d.get("pid", 0)))
+        return cls(
+            node_id=d["node_id"], addr=d["addr"], nproc=int(d["nproc"]), pid=int(d.get("pid", 0))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +142,9 @@ class RoundRecord:
         return cls(
             number=int(d["number"]),
             state=str(d["state"]),
-            members=tuple(Member(m["node_id"], m["addr"], int(m["nproc"])) for m in d.get("members", [])),
+            members=tuple(
+                Member(m["node_id"], m["addr"], int(m["nproc"])) for m in d.get("members", [])
+            ),
             restarts=int(d.get("restarts", 0)),
             reason=str(d.get("reason", "")),
             exit_code=int(d.get("exit_code", 0)),

@@ -76,7 +76,9 @@ class Store(Protocol):
         """
         ...
 
-    def wait_for_change(self, prefix: str, since_revision: int, timeout_s: float) -> tuple[bool, int]:
+    def wait_for_change(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[bool, int]:
         """Block until a key under ``prefix`` is written after ``since_revision``, or timeout.
 
         Returns ``(changed, revision)``: pass ``revision`` as the next ``since_revision``.

@@ -105,7 +105,9 @@ def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
 
-_ROOT_CAUSE = re.compile(r"\[Errno -?\d+\] [^'\")]+|\[SSL: [^\]]+\][^'\")(]*|Read timed out|timed out")
+_ROOT_CAUSE = re.compile(
+    r"\[Errno -?\d+\] [^'\")]+|\[SSL: [^\]]+\][^'\")(]*|Read timed out|timed out"
+)
 
 
 def _detail(exc: BaseException) -> str:
@@ -142,7 +144,9 @@ class EtcdStore:
         if not endpoints:
             raise ConfigError("the etcd backend needs --rdzv-endpoint host:2379[,host2:2379,...]")
         if (cert is None) != (key is None):
-            raise ConfigError("--rdzv-conf cert=... and key=... must be given together (client TLS)")
+            raise ConfigError(
+                "--rdzv-conf cert=... and key=... must be given together (client TLS)"
+            )
         if (user is None) != (password is None):
             raise ConfigError("--rdzv-conf user=... and password=... must be given together")
         for name, path in (("cacert", cacert), ("cert", cert), ("key", key)):
@@ -231,8 +235,12 @@ class EtcdStore:
                 self._sessions.append(session)
             host, port = self.endpoints[index]
             client = Etcd3Client(
-                host=host, port=port, protocol=self._protocol, timeout=self._request_timeout_s,
-                api_path="/v3/", session=session,
+                host=host,
+                port=port,
+                protocol=self._protocol,
+                timeout=self._request_timeout_s,
+                api_path="/v3/",
+                session=session,
             )
             slot = clients[index] = [client, -1]
         client = slot[0]
@@ -289,7 +297,9 @@ class EtcdStore:
                     last = exc
                     continue
                 except gw_exc.Etcd3Exception as exc:
-                    raise StoreError(f"etcd at {client.host}:{client.port}: {_detail(exc)}") from exc
+                    raise StoreError(
+                        f"etcd at {client.host}:{client.port}: {_detail(exc)}"
+                    ) from exc
                 except requests.RequestException as exc:
                     last = exc
                     continue
@@ -314,7 +324,11 @@ class EtcdStore:
                 client = self._client(idx)
                 try:
                     self._post(client, "/maintenance/status", {})
-                except (gw_exc.ConnectionFailedError, gw_exc.ConnectionTimeoutError, requests.RequestException) as exc:
+                except (
+                    gw_exc.ConnectionFailedError,
+                    gw_exc.ConnectionTimeoutError,
+                    requests.RequestException,
+                ) as exc:
                     last = exc
                     continue
                 except gw_exc.Etcd3Exception as exc:
@@ -405,8 +419,13 @@ class EtcdStore:
             raise StoreError(f"etcd did not grant a lease: {result.get('error', result)}")
         self._call(
             lambda c: self._post(
-                c, "/kv/put",
-                {"key": _b64(f"{_LEASE_META}{lease:x}"), "value": _b64(repr(float(ttl_s))), "lease": lease},
+                c,
+                "/kv/put",
+                {
+                    "key": _b64(f"{_LEASE_META}{lease:x}"),
+                    "value": _b64(repr(float(ttl_s))),
+                    "lease": lease,
+                },
             )
         )
         with self._lock:
@@ -475,7 +494,12 @@ class EtcdStore:
         compare = (
             {"key": bkey, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
             if expected_revision == 0
-            else {"key": bkey, "result": "EQUAL", "target": "MOD", "mod_revision": expected_revision}
+            else {
+                "key": bkey,
+                "result": "EQUAL",
+                "target": "MOD",
+                "mod_revision": expected_revision,
+            }
         )
         txn = {
             "compare": [compare],
@@ -514,7 +538,9 @@ class EtcdStore:
     def revision(self) -> int:
         return self._range(_REV_PROBE)[0]
 
-    def wait_for_change(self, prefix: str, since_revision: int, timeout_s: float) -> tuple[bool, int]:
+    def wait_for_change(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[bool, int]:
         deadline = self._clock.monotonic() + timeout_s
         request = {
             "create_request": {
@@ -533,7 +559,10 @@ class EtcdStore:
         remaining = max(0.01, deadline - self._clock.monotonic())
         try:
             resp = client.session.post(
-                client.get_url("/watch"), json=request, stream=True, verify=self._verify,
+                client.get_url("/watch"),
+                json=request,
+                stream=True,
+                verify=self._verify,
                 timeout=(min(remaining, float(client.timeout or remaining)), remaining),
             )
         except requests.Timeout as exc:
@@ -542,7 +571,11 @@ class EtcdStore:
             raise gw_exc.ConnectionFailedError(str(exc)) from exc
         with resp:
             if resp.status_code != 200:
-                raise gw_exc.ConnectionFailedError(resp.text) if resp.status_code == 503 else gw_exc.Etcd3Exception(resp.text)
+                raise (
+                    gw_exc.ConnectionFailedError(resp.text)
+                    if resp.status_code == 503
+                    else gw_exc.Etcd3Exception(resp.text)
+                )
             try:
                 for line in resp.iter_lines():
                     if not line:
@@ -558,10 +591,14 @@ class EtcdStore:
                         if int(result.get("compact_revision", 0)):
                             # History before since_revision is compacted: report a change.
                             return True, max(header_rev, self.revision())
-                        raise gw_exc.ConnectionFailedError(str(result.get("cancel_reason", "watch canceled")))
+                        raise gw_exc.ConnectionFailedError(
+                            str(result.get("cancel_reason", "watch canceled"))
+                        )
                     if self._clock.monotonic() >= deadline:
                         return False, since_revision
-            except requests.RequestException as exc:  # a read timeout while streaming lands here too
+            except (
+                requests.RequestException
+            ) as exc:  # a read timeout while streaming lands here too
                 if self._clock.monotonic() >= deadline - 0.01:
                     return False, since_revision
                 # The member went away mid-watch: let _call watch again on another one.

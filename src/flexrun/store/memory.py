@@ -83,7 +83,9 @@ class MemoryStore:
         with self._cond:
             return self._rev
 
-    def wait_for_change(self, prefix: str, since_revision: int, timeout_s: float) -> tuple[bool, int]:
+    def wait_for_change(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[bool, int]:
         deadline = self._clock.monotonic() + timeout_s
         with self._cond:
             while True:

@@ -88,7 +88,9 @@ class TcpStoreServer:
                 host, port, None, True, timedelta(seconds=30), wait_for_workers=False
             )
         except (RuntimeError, OSError) as exc:
-            raise StoreUnavailable(f"cannot host a store on {host}:{port}: {exc}".splitlines()[0]) from exc
+            raise StoreUnavailable(
+                f"cannot host a store on {host}:{port}: {exc}".splitlines()[0]
+            ) from exc
         self.port: int = self._server.port
         self.host = host
 
@@ -142,7 +144,9 @@ class TcpStore:
             return dist.TCPStore(self.host, self.port, None, False, self._op_timeout)
         except (RuntimeError, OSError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise StoreUnavailable(f"cannot connect to the store at {self.host}:{self.port}: {first}") from exc
+            raise StoreUnavailable(
+                f"cannot connect to the store at {self.host}:{self.port}: {first}"
+            ) from exc
 
     def _c(self) -> Any:
         if self._closed:
@@ -206,7 +210,9 @@ class TcpStore:
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         c = self._c()
         keys = sorted(
-            k for k in self._call(c.list_keys) if k.startswith(prefix) and not k.startswith("__flexrun/")
+            k
+            for k in self._call(c.list_keys)
+            if k.startswith(prefix) and not k.startswith("__flexrun/")
         )
         if not keys:
             return {}
@@ -255,7 +261,9 @@ class TcpStore:
     def revision(self) -> int:
         return int(self._call(self._c().add, _REV_KEY, 0))
 
-    def wait_for_change(self, prefix: str, since_revision: int, timeout_s: float) -> tuple[bool, int]:
+    def wait_for_change(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[bool, int]:
         deadline = self._clock.monotonic() + timeout_s
         seen = since_revision
         c = self._c()

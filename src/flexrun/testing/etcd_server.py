@@ -25,7 +25,9 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-MISSING = "no `etcd` binary on PATH (Debian/Ubuntu: apt-get install etcd-server; or set FLEXRUN_ETCD)"
+MISSING = (
+    "no `etcd` binary on PATH (Debian/Ubuntu: apt-get install etcd-server; or set FLEXRUN_ETCD)"
+)
 
 
 def etcd_binary() -> str | None:
@@ -42,10 +44,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _status(port: int, timeout_s: float = 1.0, tls: ssl.SSLContext | None = None) -> dict[str, object] | None:
+def _status(
+    port: int, timeout_s: float = 1.0, tls: ssl.SSLContext | None = None
+) -> dict[str, object] | None:
     scheme = "https" if tls is not None else "http"
     req = urllib.request.Request(
-        f"{scheme}://127.0.0.1:{port}/v3/maintenance/status", data=b"{}", method="POST",
+        f"{scheme}://127.0.0.1:{port}/v3/maintenance/status",
+        data=b"{}",
+        method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -102,15 +108,44 @@ class EtcdCluster:
         tls_args: list[str] = []
         if self.tls is not None:
             ca, cert, key = (str(p) for p in self.tls)
-            tls_args = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+            tls_args = [
+                "--cert-file",
+                cert,
+                "--key-file",
+                key,
+                "--trusted-ca-file",
+                ca,
+                "--client-cert-auth",
+            ]
         return [
-            self.binary, *tls_args, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", cluster, "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"flexrun-test-{self.peer_ports[0]}",
-            "--heartbeat-interval", "50", "--election-timeout", "500",
-            "--logger", "zap", "--log-outputs", "stderr",
+            self.binary,
+            *tls_args,
+            "--name",
+            f"m{i}",
+            "--data-dir",
+            str(self.root / f"m{i}"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            cluster,
+            "--initial-cluster-state",
+            "new",
+            "--initial-cluster-token",
+            f"flexrun-test-{self.peer_ports[0]}",
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
         ]
 
     def start_member(self, i: int) -> None:
@@ -119,7 +154,11 @@ class EtcdCluster:
         log = open(self.root / f"m{i}.log", "ab")  # noqa: SIM115 (owned by the child)
         try:
             self.procs[i] = subprocess.Popen(
-                self._args(i), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+                self._args(i),
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -135,16 +174,24 @@ class EtcdCluster:
         """Block until the given (default: running) members answer and agree on a leader."""
         deadline = time.monotonic() + timeout_s
         while True:
-            todo = members if members is not None else [i for i, p in enumerate(self.procs) if p is not None]
+            todo = (
+                members
+                if members is not None
+                else [i for i, p in enumerate(self.procs) if p is not None]
+            )
             for i in todo:
                 proc = self.procs[i]
                 if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"etcd member m{i} exited ({proc.returncode}): {self.log_tail(i)}")
+                    raise RuntimeError(
+                        f"etcd member m{i} exited ({proc.returncode}): {self.log_tail(i)}"
+                    )
             statuses = [_status(self.client_ports[i], tls=self._ctx) for i in todo]
             if all(s is not None and int(str(s.get("leader", 0))) for s in statuses):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"etcd did not become ready in {timeout_s:g}s: {self.log_tail(todo[0])}")
+                raise TimeoutError(
+                    f"etcd did not become ready in {timeout_s:g}s: {self.log_tail(todo[0])}"
+                )
             time.sleep(0.05)
 
     def leader(self) -> int:
@@ -194,7 +241,10 @@ class EtcdCluster:
             raise
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 

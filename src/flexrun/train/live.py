@@ -31,6 +31,8 @@ run is bitwise identical to one that never failed.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import io
 import json
@@ -148,7 +150,9 @@ class Step:
         self.rank = loop.rank
         self.world_size = loop.world_size
         start, end = split_share(loop.global_batch, loop.world_size, loop.rank)
-        self.indices: list[int] = [loop.sample_index(number * loop.global_batch + p) for p in range(start, end)]
+        self.indices: list[int] = [
+            loop.sample_index(number * loop.global_batch + p) for p in range(start, end)
+        ]
 
     def batches(self, micro_batch: int | None = None) -> Iterator[Any]:
         """This rank's share of the step's global batch, collated, in micro-batches."""
@@ -200,7 +204,9 @@ class LiveLoop:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         if global_batch < 1 or steps < 0:
-            raise ConfigError(f"global_batch must be >= 1 and steps >= 0 (got {global_batch}, {steps})")
+            raise ConfigError(
+                f"global_batch must be >= 1 and steps >= 0 (got {global_batch}, {steps})"
+            )
         self.env = LiveEnv.from_environ(os.environ if environ is None else environ)
         self.model = model
         self.optimizer = optimizer
@@ -237,7 +243,9 @@ class LiveLoop:
             self.env.store_host, self.env.store_port, None, False, timedelta(seconds=timeout_s)
         )
         self._stop_hb = threading.Event()
-        self._hb = threading.Thread(target=self._heartbeat, name="flexrun-live-heartbeat", daemon=True)
+        self._hb = threading.Thread(
+            target=self._heartbeat, name="flexrun-live-heartbeat", daemon=True
+        )
         self._touch()  # the agent admits this worker into an epoch once this file exists
         self._hb.start()
         if threading.current_thread() is threading.main_thread():
@@ -289,11 +297,26 @@ class LiveLoop:
             if self._ckpt is not None:
                 self._ckpt.wait()
         finally:
-            self._stop_hb.set()
+            self._retire()
+
+    def _retire(self) -> None:
+        """Leave the live protocol: stop heart-beating (the agent then stops watching for
+        hangs) and make sure no process group is ever destroyed. A gloo group's destructor
+        joins threads that may be stuck in ``recv`` from a peer of an old epoch, which would
+        hang the process at exit."""
+        self._stop_hb.set()
+        if self._hb.is_alive():
+            self._hb.join(timeout=2)
+        with contextlib.suppress(OSError):
+            self.env.heartbeat_file.unlink()
+        for pg in [*self._abandoned, self._pg]:
+            if pg is not None:
+                _leak(pg)
 
     def _commit(self, step: Step) -> bool:
         grads = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in self._params
         ]
         flags = torch.tensor(
             [1.0 if self._pending_change else 0.0, 1.0 if self._preempted else 0.0],
@@ -327,15 +350,17 @@ class LiveLoop:
             return False
         if int(flags[1]) >= self.world_size:
             if self.rank == 0 and self.checkpoint_dir:
-                self._checkpointer().save(self.committed, extra={"step": self.committed}, blocking=True)
+                self._checkpointer().save(
+                    self.committed, extra={"step": self.committed}, blocking=True
+                )
             self.events.emit("preempted", step=self.committed, rank=self.rank)
-            self._stop_hb.set()
+            self._retire()
             sys.exit(PREEMPTED_EXIT)
         if self._preempted:
             # Only this node is going away: leave after a committed step; the others
             # re-form without us and lose nothing.
             self.events.emit("preempted", step=self.committed, rank=self.rank, partial=True)
-            self._stop_hb.set()
+            self._retire()
             sys.exit(PREEMPTED_EXIT)
         return False
 
@@ -349,7 +374,9 @@ class LiveLoop:
                 try:
                     work.wait()
                 except RuntimeError as exc:
-                    raise LiveAborted(f"collective failed: {str(exc).splitlines()[0][:200]}") from exc
+                    raise LiveAborted(
+                        f"collective failed: {str(exc).splitlines()[0][:200]}"
+                    ) from exc
                 return
             now = time.monotonic()
             if now >= next_check:
@@ -376,13 +403,16 @@ class LiveLoop:
                 if time.monotonic() > deadline:
                     raise LiveAborted(f"excluded from epoch {rec.number}")
             if time.monotonic() > deadline:
-                raise LiveAborted(f"no new membership epoch after {after} within {self.timeout_s:g}s")
+                raise LiveAborted(
+                    f"no new membership epoch after {after} within {self.timeout_s:g}s"
+                )
             self.store.wait_for_change(self._epoch_key, since, 0.5)
 
     def _rejoin(self, *, reason: str) -> None:
         t0 = time.monotonic()
         if self._pg is not None:
             self._abandoned.append(self._pg)
+            _leak(self._pg)
             self._pg = None
         after = self.epoch.number if self.epoch is not None else -1
         while True:
@@ -397,7 +427,9 @@ class LiveLoop:
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
         prefix = dist.PrefixStore(f"{self._ns}{rec.number}/", self._raw)
-        prefix.set(f"ready/{rank}", json.dumps({"step": self.committed, "has_state": self.has_state}))
+        prefix.set(
+            f"ready/{rank}", json.dumps({"step": self.committed, "has_state": self.has_state})
+        )
         names = [f"ready/{r}" for r in range(world)]
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -444,19 +476,25 @@ class LiveLoop:
         if self.rank == source:
             buf = io.BytesIO()
             torch.save(
-                {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "step": self.committed},
+                {
+                    "model": self.model.state_dict(),
+                    "optim": self.optimizer.state_dict(),
+                    "step": self.committed,
+                },
                 buf,
             )
             payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self._pg.broadcast([size], source))
+        self._wait(self._pg.broadcast(size, source))
         if self.rank != source:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(self._pg.broadcast([payload], source))
+        self._wait(self._pg.broadcast(payload, source))
         if self.rank != source:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+            state = torch.load(
+                io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True
+            )
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
             self.committed = int(state["step"])
@@ -487,9 +525,30 @@ class LiveLoop:
             self.events.emit("live_fallback", step=self.committed, source="durable checkpoint")
 
     def close(self) -> None:
-        self._stop_hb.set()
+        """Wait for the last durable checkpoint and leave the live protocol. Idempotent."""
+        self._retire()
         if self._ckpt is not None:
             self._ckpt.close()
 
 
-__all__ = ["EpochRecord", "LiveAborted", "LiveEnv", "LiveLoop", "Step", "live_keys", "split_share", "state_checksum"]
+_LEAKED: set[int] = set()
+
+
+def _leak(obj: Any) -> None:
+    """Give ``obj`` one reference that is never released, so that interpreter shutdown
+    never runs its destructor (see ``LiveLoop._retire``)."""
+    if id(obj) not in _LEAKED:
+        _LEAKED.add(id(obj))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+__all__ = [
+    "EpochRecord",
+    "LiveAborted",
+    "LiveEnv",
+    "LiveLoop",
+    "Step",
+    "live_keys",
+    "split_share",
+    "state_checksum",
+]

@@ -16,8 +16,14 @@ import sys
 import torch  # noqa: F401  (the point of a spare: pay these imports before they are needed)
 import torch.distributed  # noqa: F401
 
+import flexrun.train.live  # noqa: F401
+
 
 def main() -> int:
+    ready = os.environ.get("FLEXRUN_SPARE_READY")
+    if ready:
+        with open(ready, "w") as fh:
+            fh.write(str(os.getpid()))
     line = sys.stdin.readline()
     if not line.strip():
         return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import Procs, wait_for
+from support import Procs, wait_for
 
 
 @pytest.mark.timeout(240)

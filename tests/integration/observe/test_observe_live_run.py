@@ -17,7 +17,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import DDP_STEPS, Procs, read_events, read_progress, wait_for
+from support import DDP_STEPS, Procs, read_events, read_progress, wait_for
 
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics
 from flexrun.observe.report import LOST_PNG, REPORT_FILE, TIMELINE_PNG, analyze, load_events

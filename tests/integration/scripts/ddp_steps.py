@@ -62,14 +62,25 @@ for step in range(start, a.steps):
     opt.step()
     time.sleep(a.step_time)
     if a.progress:
-        line = json.dumps({"ts": time.time(), "attempt": attempt, "rank": rank, "world": world,
-                           "local_rank": local_rank, "step": step, "pid": os.getpid()})
+        line = json.dumps(
+            {
+                "ts": time.time(),
+                "attempt": attempt,
+                "rank": rank,
+                "world": world,
+                "local_rank": local_rank,
+                "step": step,
+                "pid": os.getpid(),
+            }
+        )
         fd = os.open(a.progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(fd, (line + "\n").encode())
         os.close(fd)
     if rank == 0 and a.ckpt and (step + 1) % a.ckpt_every == 0:
         tmp = a.ckpt + ".tmp"
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+        torch.save(
+            {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp
+        )
         os.replace(tmp, a.ckpt)
 
 dist.barrier()

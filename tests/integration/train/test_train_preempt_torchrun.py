@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, REPO, Launcher, read_jsonl, wait_until
+from train_support import EXAMPLE, REPO, Launcher, read_jsonl, wait_until
 
 
 def _last_step(log: Path) -> int:

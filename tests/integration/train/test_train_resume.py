@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Launcher, read_jsonl, wait_until
+from train_support import Launcher, read_jsonl, wait_until
 
 
 def _last_step(log: Path) -> int:

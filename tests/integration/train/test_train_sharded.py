@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HERE, Launcher
+from train_support import HERE, Launcher
 
 WORKER = HERE / "dcp_worker.py"
 

@@ -36,10 +36,24 @@ def rnd(number: int, *members: str, state: str = RUNNING, restarts: int = 0) -> 
     return RoundRecord(number, state, tuple(Member(m, "127.0.0.1", 2) for m in members), restarts)
 
 
-def view(me: str, r: RoundRecord | None, nodes: dict, clock: FakeClock, since: float, running: int | None = None,
-         registered: set[str] | None = None) -> View:
-    return View(me=me, round=r, alive=nodes, registered=frozenset(registered if registered is not None else nodes),
-                running=running, now=clock.monotonic(), candidates_since=since)
+def view(
+    me: str,
+    r: RoundRecord | None,
+    nodes: dict,
+    clock: FakeClock,
+    since: float,
+    running: int | None = None,
+    registered: set[str] | None = None,
+) -> View:
+    return View(
+        me=me,
+        round=r,
+        alive=nodes,
+        registered=frozenset(registered if registered is not None else nodes),
+        running=running,
+        now=clock.monotonic(),
+        candidates_since=since,
+    )
 
 
 def test_a_lone_joiner_waits_only_the_last_call_window_then_starts() -> None:
@@ -106,7 +120,9 @@ def test_a_waiting_node_triggers_scale_up_after_the_last_call_window() -> None:
 
 def test_waiters_reaching_max_scale_up_without_waiting() -> None:
     clock = FakeClock()
-    act = decide(view("a", rnd(1, "a"), alive("a", "b", "c"), clock, clock.monotonic(), running=1), S)
+    act = decide(
+        view("a", rnd(1, "a"), alive("a", "b", "c"), clock, clock.monotonic(), running=1), S
+    )
     assert isinstance(act, Propose) and act.record.member_ids == ["a", "b", "c"]
 
 
@@ -120,7 +136,9 @@ def test_a_full_round_keeps_extra_nodes_on_standby() -> None:
 def test_too_few_survivors_make_a_pending_round_and_members_stop() -> None:
     clock = FakeClock()
     s = RendezvousSettings(min_nodes=2, max_nodes=2)
-    act = decide(view("a", rnd(1, "a", "b"), alive("a"), clock, 0, running=1, registered={"a", "b"}), s)
+    act = decide(
+        view("a", rnd(1, "a", "b"), alive("a"), clock, 0, running=1, registered={"a", "b"}), s
+    )
     assert isinstance(act, Propose) and act.record.state == PENDING
     pending = act.record
     assert isinstance(decide(view("a", pending, alive("a"), clock, 0, running=1), s), Stop)
@@ -130,7 +148,9 @@ def test_failures_count_restarts_and_fail_the_job_when_exhausted() -> None:
     r1 = rnd(1, "a")
     r2 = next_round(r1, alive("a"), S, "failure", failure=True, root_cause={"exit_code": 3})
     assert r2.state == RUNNING and r2.restarts == 1
-    r3 = next_round(r2, alive("a"), S, "failure", failure=True, root_cause={"exit_code": 3, "rank": 1})
+    r3 = next_round(
+        r2, alive("a"), S, "failure", failure=True, root_cause={"exit_code": 3, "rank": 1}
+    )
     assert r3.state == FAILED and r3.exit_code == 3
     act = decide(view("a", r3, alive("a"), FakeClock(), 0, running=None), S)
     assert isinstance(act, Exit) and act.code == 3 and act.root_cause["rank"] == 1
@@ -149,6 +169,8 @@ def test_a_closed_job_lets_running_workers_finish_and_others_exit() -> None:
 
 
 def test_records_round_trip_through_json() -> None:
-    r = RoundRecord(3, RUNNING, (Member("a", "h", 2), Member("b", "h", 1)), 1, "failure", 0, {"rank": 1})
+    r = RoundRecord(
+        3, RUNNING, (Member("a", "h", 2), Member("b", "h", 1)), 1, "failure", 0, {"rank": 1}
+    )
     assert RoundRecord.decode(r.encode()) == r
     assert r.world_size() == 3 and r.rank_base("b") == 2 and r.group_rank("b") == 1

@@ -9,9 +9,17 @@ from flexrun.store.memory import MemoryStore
 from flexrun.testing import FakeClock
 
 
-def _handler(store: MemoryStore, node: str, clock: FakeClock, s: RendezvousSettings) -> RendezvousHandler:
-    h = RendezvousHandler(store, run_id="job", me=NodeRecord(node, "127.0.0.1", 1), settings=s,
-                          events=EventLog(None, run_id="job", node=node), clock=clock)
+def _handler(
+    store: MemoryStore, node: str, clock: FakeClock, s: RendezvousSettings
+) -> RendezvousHandler:
+    h = RendezvousHandler(
+        store,
+        run_id="job",
+        me=NodeRecord(node, "127.0.0.1", 1),
+        settings=s,
+        events=EventLog(None, run_id="job", node=node),
+        clock=clock,
+    )
     h._beat()  # one keep-alive, no thread: the test drives time
     store.put(h.keys.node(node), h.me.encode())
     return h
@@ -31,7 +39,9 @@ def test_two_nodes_form_one_round_and_both_run_it() -> None:
 def test_a_silent_node_is_dropped_after_the_heartbeat_timeout() -> None:
     clock = FakeClock()
     store = MemoryStore(clock)
-    s = RendezvousSettings(min_nodes=1, max_nodes=2, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3)
+    s = RendezvousSettings(
+        min_nodes=1, max_nodes=2, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3
+    )
     a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
     a.step(None)
     assert isinstance(a.step(None), Run)

@@ -1,0 +1,346 @@
+"""The agent's side of live mode: worker slots, warm spares, liveness, membership epochs.
+
+Owns this node's live workers: it starts them once, replaces a dead or frozen one (from a
+warm spare when it has one), and publishes the job's membership epoch that the workers'
+``flexrun.train.live.LiveLoop`` follows. It never restarts survivors. Node membership
+(who is in the job) still comes from the rendezvous rounds; an epoch is the list of live
+workers of the round's nodes, in node order then local rank.
+
+Store keys (under ``flexrun/<run_id>/live/``): ``nodes/<node_id>`` = this node's included
+workers; ``epoch`` = the current :class:`~flexrun.train.live.EpochRecord`, changed by
+compare-and-set by whichever agent sees a change first (they all compute the same list).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.spec import worker_envs
+from flexrun.agent.workers import (
+    Worker,
+    WorkerResult,
+    _Tee,
+    describe_failure,
+    spawn_worker,
+    start_tees,
+)
+from flexrun.config import RunConfig
+from flexrun.observe.events import EventLog
+from flexrun.rendezvous import RendezvousHandler
+from flexrun.rendezvous.state import MasterRecord, RoundRecord
+from flexrun.store.api import Store
+from flexrun.train.live import EpochRecord, live_keys
+
+log = logging.getLogger("flexrun.agent")
+
+
+@dataclass
+class LiveWorker:
+    """One live worker process (or a spare waiting to become one)."""
+
+    worker_id: str
+    worker: Worker
+    heartbeat: Path
+    included: bool = False
+    """Part of this node's published member list."""
+    ready_file: Path | None = None
+    """Spares only: exists once the spare has imported torch and waits for work."""
+    finished: bool = False
+    tees: list[_Tee] = field(default_factory=list)
+
+
+class LiveSupervisor:
+    """This node's live workers for the whole job."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        rdzv: RendezvousHandler,
+        store: Store,
+        store_addr: tuple[str, int],
+        command: list[str],
+        *,
+        events: EventLog,
+        warm_spares: int,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.config = config
+        self.rdzv = rdzv
+        self.store = store
+        self.store_addr = store_addr
+        self.command = command
+        self.events = events
+        self.warm_spares = warm_spares
+        self.clock = clock
+        self.node = rdzv.me.node_id
+        self.slots: dict[int, LiveWorker] = {}
+        self.spares: list[LiveWorker] = []
+        self.round: RoundRecord | None = None
+        self._seq = 0
+        self._tee_done = threading.Event()
+        self._epoch_key, _ = live_keys(config.run_id)
+        self._node_key = f"flexrun/{config.run_id}/live/nodes/{self.node}"
+        self._published: tuple[int, tuple[str, ...]] | None = None
+        self._counted_epoch = -1
+        self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
+        self._hb_root = config.run_dir / "live-heartbeats" / self.node
+
+    @property
+    def active(self) -> bool:
+        return bool(self.slots)
+
+    # -- processes ----------------------------------------------------------------------------
+    def _next_id(self) -> str:
+        self._seq += 1
+        return f"{self.node}.w{self._seq}"
+
+    def _env(self, slot: int, worker_id: str, heartbeat: Path) -> dict[str, str]:
+        assert self.round is not None
+        env = worker_envs(
+            base=self.config.environ,
+            rnd=self.round,
+            node_id=self.node,
+            nproc=self.config.nproc_per_node,
+            master=MasterRecord(self.config.local_addr, 0),
+            role=self.config.role,
+            run_id=self.config.run_id,
+            run_dir=self.config.run_dir,
+            restart_count=0,
+            max_restarts=self.config.rendezvous.max_restarts,
+        )[slot]
+        # Live workers form their own groups per epoch: no default process group address.
+        # Their bounded store waits time out routinely; c10d would warn about each one.
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.pop("MASTER_ADDR", None)
+        env.pop("MASTER_PORT", None)
+        env.update(
+            FLEXRUN_LIVE="1",
+            FLEXRUN_LIVE_STORE=f"{self.store_addr[0]}:{self.store_addr[1]}",
+            FLEXRUN_WORKER_ID=worker_id,
+            FLEXRUN_LIVE_HEARTBEAT=str(heartbeat),
+            FLEXRUN_LIVE_HEARTBEAT_INTERVAL=str(min(0.5, self.config.rendezvous.heartbeat_interval_s)),
+        )
+        return env
+
+    def _spawn(self, slot: int) -> LiveWorker:
+        wid = self._next_id()
+        hb = self._hb_root / wid
+        hb.unlink(missing_ok=True)
+        w = spawn_worker(self.command, self._env(slot, wid, hb), self._log_root / wid, rank=slot, local_rank=slot)
+        lw = LiveWorker(wid, w, hb)
+        lw.tees = start_tees(w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
+        self.events.emit("worker_started", worker_id=wid, local_rank=slot, pid=w.proc.pid, spare=False)
+        return lw
+
+    def _spawn_spare(self) -> LiveWorker:
+        wid = self._next_id()
+        hb = self._hb_root / wid
+        hb.unlink(missing_ok=True)
+        cmd = [sys.executable, "-u", "-m", "flexrun.train.spare"]
+        ready = self._hb_root / f"{wid}.spare-ready"
+        ready.parent.mkdir(parents=True, exist_ok=True)
+        ready.unlink(missing_ok=True)
+        env = dict(self.config.environ, FLEXRUN_SPARE_READY=str(ready))
+        w = spawn_worker(cmd, env, self._log_root / wid, rank=-1, local_rank=-1, stdin=subprocess.PIPE)
+        lw = LiveWorker(wid, w, hb, ready_file=ready)
+        lw.tees = start_tees(w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
+        return lw
+
+    def _promote(self, spare: LiveWorker, slot: int) -> None:
+        task = {
+            "env": self._env(slot, spare.worker_id, spare.heartbeat),
+            "entry": self.config.entrypoint,
+            "args": list(self.config.args),
+            "module": self.config.module,
+        }
+        proc = spare.worker.proc
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(task) + "\n").encode())
+        proc.stdin.close()
+        spare.worker.local_rank = slot
+        spare.worker.rank = slot
+        self.events.emit("worker_started", worker_id=spare.worker_id, local_rank=slot, pid=proc.pid, spare=True)
+
+    def _fill(self, slot: int, *, include_now: bool) -> None:
+        """Put a worker in ``slot``: a ready warm spare joins the next epoch at once (the
+        world size, and so bitwise reproducibility, is kept); otherwise a fresh process is
+        started and joins at a step boundary once it is up, while the others carry on."""
+        spare = None
+        for candidate in list(self.spares):
+            if candidate.worker.proc.poll() is not None:
+                self.spares.remove(candidate)
+                self._reap(candidate)
+            elif spare is None and candidate.ready_file is not None and candidate.ready_file.exists():
+                spare = candidate
+        if spare is not None and not self.config.module and not self.config.no_python:
+            self.spares.remove(spare)
+            self._promote(spare, slot)
+            spare.included = True
+            self.slots[slot] = spare
+            log.info("slot %d: warm spare %s takes over", slot, spare.worker_id)
+            return
+        lw = self._spawn(slot)
+        lw.included = include_now
+        self.slots[slot] = lw
+
+    def _top_up_spares(self) -> None:
+        alive = []
+        for sp in self.spares:
+            if sp.worker.proc.poll() is None:
+                alive.append(sp)
+            else:
+                self._reap(sp)
+        self.spares = alive
+        while len(self.spares) < self.warm_spares and not self.config.no_python:
+            self.spares.append(self._spawn_spare())
+
+    def _reap(self, lw: LiveWorker) -> None:
+        p = lw.worker.proc
+        if p.poll() is None:
+            for sig in (signal.SIGKILL,):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+        p.wait()
+        for f in lw.worker.files:
+            f.close()
+        lw.worker.files.clear()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, rnd: RoundRecord) -> None:
+        """Start this node's workers (once per job, or after a stop)."""
+        self.round = rnd
+        first_in_job = self.store.get(self._epoch_key) is None
+        for slot in range(self.config.nproc_per_node):
+            self._fill(slot, include_now=first_in_job)
+        self._top_up_spares()
+        self.publish()
+
+    def on_round(self, rnd: RoundRecord) -> None:
+        """Node membership changed: survivors keep running; only the epoch changes."""
+        self.round = rnd
+        self.publish()
+
+    def stop(self, grace_s: float) -> None:
+        procs = [lw for lw in [*self.slots.values(), *self.spares]]
+        for lw in procs:
+            if lw.worker.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(lw.worker.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for lw in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                lw.worker.proc.wait(timeout=max(0.001, deadline - time.monotonic()))
+            self._reap(lw)
+        self._tee_done.set()
+        for lw in procs:
+            for t in lw.tees:
+                t.join(timeout=2)
+        self._tee_done = threading.Event()
+        self.slots.clear()
+        self.spares.clear()
+        self._published = None
+
+    # -- monitoring ---------------------------------------------------------------------------
+    def poll(self) -> int | None:
+        """Check workers; replace the dead; publish changes. Returns 0 when all finished."""
+        changed = False
+        now = time.time()
+        timeout = self.config.rendezvous.heartbeat_timeout_s
+        for slot, lw in sorted(self.slots.items()):
+            if lw.finished:
+                continue
+            rc = lw.worker.proc.poll()
+            if rc is None:
+                try:
+                    mtime = lw.heartbeat.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # not in the loop yet, or done with it: nothing to watch
+                if True:
+                    if not lw.included:
+                        lw.included, changed = True, True
+                    age = now - mtime
+                    if age > timeout:
+                        log.warning("worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age)
+                        self.events.emit("hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2))
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(lw.worker.proc.pid, signal.SIGKILL)
+                continue
+            result = WorkerResult(slot, slot, lw.worker.proc.pid, rc, now)
+            self.events.emit(
+                "worker_exited", worker_id=lw.worker_id, local_rank=slot, pid=result.pid,
+                exit_code=result.exit_code, signal=result.signal_name,
+            )
+            if rc == 0:
+                lw.finished = True
+                continue
+            cause = describe_failure(lw.worker, result)
+            cause.update(node=self.node, worker_id=lw.worker_id)
+            self._reap(lw)
+            del self.slots[slot]
+            self._count_failure(cause)
+            self._fill(slot, include_now=False)
+            changed = True
+        if self.slots and all(lw.finished for lw in self.slots.values()):
+            return 0
+        self._top_up_spares()
+        if changed or self._published is None or self.round is not None:
+            self.publish()
+        return None
+
+    def _count_failure(self, cause: dict[str, Any]) -> None:
+        entry = self.store.get(self._epoch_key)
+        epoch = EpochRecord.decode(entry.value).number if entry is not None else 0
+        log.warning(
+            "worker %s failed (%s): %s; replacing it, survivors keep running",
+            cause.get("worker_id"), cause.get("signal") or f"exit code {cause.get('exit_code')}",
+            cause.get("message") or "",
+        )
+        if epoch == self._counted_epoch:
+            return  # several deaths under one epoch are one incident
+        self._counted_epoch = epoch
+        self.events.emit("failure", **cause)
+        self.rdzv.count_failure(cause)
+
+    # -- membership epochs --------------------------------------------------------------------
+    def publish(self) -> None:
+        """Publish this node's included workers and, if the job's list changed, a new epoch."""
+        if self.round is None:
+            return
+        mine = tuple(lw.worker_id for _, lw in sorted(self.slots.items()) if lw.included)
+        if self._published != (self.round.number, mine):
+            self.store.put(self._node_key, json.dumps({"round": self.round.number, "workers": list(mine)}).encode())
+            self._published = (self.round.number, mine)
+        members: list[str] = []
+        prefix = f"flexrun/{self.config.run_id}/live/nodes/"
+        records = self.store.get_prefix(prefix)
+        for m in self.round.members:
+            entry = records.get(prefix + m.node_id)
+            if entry is not None:
+                members.extend(json.loads(entry.value)["workers"])
+        if not members:
+            return
+        entry = self.store.get(self._epoch_key)
+        current = EpochRecord.decode(entry.value) if entry is not None else None
+        if current is not None and current.members == tuple(members):
+            return
+        abort = current is not None and any(w not in members for w in current.members)
+        rec = EpochRecord((current.number + 1) if current else 1, tuple(members), abort)
+        ok, _ = self.store.compare_and_set(
+            self._epoch_key, rec.encode(), expected_revision=entry.revision if entry else 0
+        )
+        if ok:
+            self.events.emit("live_epoch", epoch=rec.number, members=list(rec.members), abort=abort,
+                             world_size=len(rec.members))
+            log.info("live epoch %d: %d worker(s)%s", rec.number, len(members), " (abort)" if abort else "")
