@@ -109,9 +109,29 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
     _opt(p, env, "master-addr", "127.0.0.1", "static backend: store host")
     _opt(p, env, "master-port", "29500", "static backend: store port")
     _opt(p, env, "node-id", None, "unique id of this node (default host-pid-random)")
-    _opt(p, env, "mode", "auto", "recovery mode: live (survivors never restart; scripts using "
-         "flexrun.train.LiveLoop), restart (torchrun semantics), auto (live if the script uses LiveLoop)")
-    _opt(p, env, "warm-spares", None, "live mode: idle workers kept ready to replace a dead one (default 1)")
+    _opt(
+        p,
+        env,
+        "mode",
+        "auto",
+        "recovery mode: live (survivors never restart; scripts using "
+        "flexrun.train.LiveLoop), restart (torchrun semantics), auto (live if the script uses LiveLoop)",
+    )
+    _opt(p, env, "metrics-port", None, "serve Prometheus metrics on this port (default: off)")
+    _opt(
+        p,
+        env,
+        "resource-interval",
+        "10",
+        "seconds between node resource samples in the event log (0: off)",
+    )
+    _opt(
+        p,
+        env,
+        "warm-spares",
+        None,
+        "live mode: idle workers kept ready to replace a dead one (default 1)",
+    )
     _flag(p, env, "module", "run the entrypoint as a Python module (python -m)", short="-m")
     _flag(p, env, "no-python", "run the entrypoint as an executable, not with python")
     p.add_argument("training_script", help="script (or module, or executable)")

@@ -217,6 +217,10 @@ class RunConfig:
     """``restart`` (torchrun semantics) or ``live`` (survivors never restart)."""
     warm_spares: int = 0
     """Live mode: idle worker processes kept ready (torch imported) to replace a dead one."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (off when None)."""
+    resource_interval_s: float = 10.0
+    """How often node resources (CPU, memory, disk, network, GPU) go to the event log; 0: never."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -228,7 +232,9 @@ class RunConfig:
         if self.warm_spares < 0:
             raise ConfigError(f"--warm-spares {self.warm_spares}: must be 0 or more")
         if self.mode == "live" and self.store.backend in BACKENDS_ETCD:
-            raise ConfigError("--mode live needs the tcp store (--rdzv-backend c10d); etcd serves restart mode")
+            raise ConfigError(
+                "--mode live needs the tcp store (--rdzv-backend c10d); etcd serves restart mode"
+            )
         if self.stop_grace_s < 0:
             raise ConfigError("--stop-grace must not be negative")
         if not self.module and not self.no_python and not Path(self.entrypoint).is_file():
@@ -354,7 +360,9 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         run_id = f"standalone-{uuid.uuid4().hex[:8]}"
     run_dir = Path(a["run_dir"]) if a["run_dir"] else Path("flexrun-runs") / run_id
     nproc = parse_nproc(a["nproc_per_node"])
-    mode = resolve_mode(str(a["mode"]), a["training_script"], module=bool(a["module"]) or bool(a["no_python"]))
+    mode = resolve_mode(
+        str(a["mode"]), a["training_script"], module=bool(a["module"]) or bool(a["no_python"])
+    )
     spares_raw = a["warm_spares"]
     try:
         spares = int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else 0)
@@ -381,6 +389,8 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         environ=dict(environ),
         mode=mode,
         warm_spares=spares,
+        metrics_port=_port_or_none(a["metrics_port"], "--metrics-port"),
+        resource_interval_s=float(a["resource_interval"]),
     )
 
 
@@ -389,6 +399,18 @@ def _default_local_addr(endpoints: tuple[tuple[str, int], ...]) -> str:
     if not endpoints or endpoints[0][0] in _LOCAL_NAMES or endpoints[0][0].startswith("127."):
         return "127.0.0.1"
     return socket.getfqdn()
+
+
+def _port_or_none(raw: object, flag: str) -> int | None:
+    if raw in (None, ""):
+        return None
+    try:
+        port = int(str(raw))
+    except ValueError:
+        raise ConfigError(f"{flag} {raw!r}: expected a port number") from None
+    if not 0 <= port < 65536:
+        raise ConfigError(f"{flag} {port}: out of range 0-65535")
+    return port
 
 
 LIVE_API_MARKERS = ("LiveLoop",)

@@ -6,7 +6,16 @@ import os
 import signal
 
 import pytest
-from support import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+from support import (
+    DDP_STEPS,
+    Procs,
+    alive_pids,
+    descendants,
+    free_port,
+    read_events,
+    read_progress,
+    wait_for,
+)
 
 HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
 
@@ -47,6 +56,22 @@ def _agent(procs: Procs, store: tuple[str, int], name: str, progress, *extra: st
     )
 
 
+def _scrape(port: int) -> dict[str, float]:
+    """Unlabelled samples of the agent's Prometheus endpoint."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if line and not line.startswith("#") and "{" not in name:
+            out[name] = float(value)
+    return out
+
+
 def _worlds_after(progress, ts: float) -> set[int]:  # type: ignore[no-untyped-def]
     return {r["world"] for r in read_progress(progress) if r["ts"] > ts}
 
@@ -57,10 +82,12 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
 ) -> None:
     progress = procs.tmp / "progress.jsonl"
     a = _agent(procs, store_server, "a", progress)
-    b = _agent(procs, store_server, "b", progress)
+    metrics_port = free_port()
+    b = _agent(procs, store_server, "b", progress, "--metrics-port", str(metrics_port))
     wait_for(
         lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)"
     )
+    wait_for(lambda: _scrape(metrics_port).get("flexrun_world_size") == 4.0, 30, "metrics: world size 4")
 
     tree_a = [p.pid for p in descendants(a.pid)]
     os.killpg(a.pid, signal.SIGKILL)  # the agent and its workers: a lost node
@@ -72,6 +99,7 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
         lambda: 2 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2"
     )
     assert b.poll() is None
+    wait_for(lambda: _scrape(metrics_port).get("flexrun_world_size") == 2.0, 30, "metrics to show world size 2")
     wait_for(lambda: alive_pids(tree_a) == [], 10, "the lost node's workers to be gone")
 
     t_join = time.time()
@@ -124,7 +152,6 @@ def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_st
 ) -> None:
     import time
 
-    from support import free_port
 
     port = free_port()
     store = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store1")

@@ -59,10 +59,33 @@ def launch(config: RunConfig) -> int:
     config.run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
     store, server = open_store(config.store)
+    metrics = follower = None
+    sampler = None
     try:
+        if config.metrics_port is not None:
+            from flexrun.observe.metrics import serve_run_metrics
+
+            # Fed from the node's event log, so worker events (checkpoints, throughput)
+            # reach the metrics without another channel.
+            metrics, follower = serve_run_metrics(
+                config.run_dir, config.metrics_port, node=config.node_id, run_id=config.run_id
+            )
+        if config.resource_interval_s > 0:
+            from flexrun.observe.resources import ResourceSampler
+
+            sampler = ResourceSampler(
+                events.emit, interval_s=config.resource_interval_s, disk_path=str(config.run_dir)
+            )
+            sampler.start()
         addr = (store.host, store.port) if isinstance(store, TcpStore) else None
         agent = ElasticAgent(config, store, events=events, store_addr=addr)
         return agent.run()
     finally:
+        if sampler is not None:
+            sampler.close()
+        if follower is not None:
+            follower.close()
+        if metrics is not None:
+            metrics.close()
         store.close()
         del server
