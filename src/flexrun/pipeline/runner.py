@@ -259,9 +259,6 @@ class Runner:
 
     def _block(self, stage: Stage) -> None:
         assert self.state is not None
-        rec = self.state.stage(stage.name)
-        if rec.get("status") == "succeeded":
-            return  # an older success stays valid for its key; only this run skipped it
         with self.state.edit(stage.name) as r:
             r.update(status="blocked", message="an upstream stage did not succeed", cached=False)
 

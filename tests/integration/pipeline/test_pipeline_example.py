@@ -117,6 +117,16 @@ def test_example_runs_end_to_end_then_reruns_only_what_changed(tmp_path: Path) -
     assert (models / "current").read_text().strip() == "v1"
     assert sorted(p.name for p in models.iterdir() if p.name.startswith("v")) == ["v1", "v2"]
 
+    # An accuracy under the threshold fails the pipeline: nothing new is exported.
+    code, out = _run(_spec(tmp_path, threshold="0.999"), run_dir, timeout=120)
+    assert code == 1, out[-4000:]
+    state = _state(run_dir)
+    assert state["stages"]["evaluate"]["status"] == "failed"
+    assert state["stages"]["export"]["status"] == "blocked"
+    assert "below the threshold 0.999" in out
+    assert json.loads((run_dir / "metrics.json").read_text())["passed"] is False
+    assert (models / "current").read_text().strip() == "v1"
+
 
 @pytest.mark.timeout(240)
 def test_sigkill_during_training_then_rerun_resumes_from_the_checkpoint(
@@ -191,3 +201,19 @@ def test_sigterm_stops_the_training_stage_and_its_workers(tmp_path: Path) -> Non
     finally:
         if runner.poll() is None:
             runner.kill()
+
+
+@pytest.mark.timeout(60)
+def test_export_without_safetensors_fails_with_a_clear_message(tmp_path: Path) -> None:
+    code = (
+        "import runpy, sys; sys.modules['safetensors'] = None; "
+        f"sys.path.insert(0, {str(EXAMPLE_DIR)!r}); sys.argv = ['export.py']; "
+        f"runpy.run_path({str(EXAMPLE_DIR / 'export.py')!r}, run_name='__main__')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50
+    )
+    assert res.returncode == 1
+    assert "the 'safetensors' package is not installed" in res.stderr
+    assert "pip install 'flexrun[pipeline]'" in res.stderr
+    assert "Traceback" not in res.stderr

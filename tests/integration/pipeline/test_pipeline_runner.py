@@ -270,14 +270,58 @@ def test_second_runner_on_the_same_run_dir_is_refused(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    state_file = tmp_path / "run" / "pipeline-state.json"
+
+    def stage_pid() -> int | None:
+        if not state_file.exists():
+            return None
+        return json.loads(state_file.read_text())["stages"].get("preprocess", {}).get("pid")
+
     try:
         deadline = time.monotonic() + 30
-        while (
-            time.monotonic() < deadline and not (tmp_path / "run" / "pipeline-state.json").exists()
-        ):
+        while time.monotonic() < deadline and stage_pid() is None:
             time.sleep(0.05)
+        pid = stage_pid()
+        assert pid is not None
         with pytest.raises(ConfigError, match="another `flexrun pipeline run` is using it"):
             _run(tmp_path, spec)
     finally:
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=30) == 130
+    # Ctrl-C stopped the running stage's whole session, not just the runner.
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_rerun_stops_a_stage_left_running_by_a_sigkilled_runner(tmp_path: Path) -> None:
+    spec = _four_stages(train=_cmd("train1", "--sleep-once", "60", "--out", "model.txt"))
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "flexrun", "pipeline", "run", str(path), "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    leftover = None
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and leftover is None:
+            if (run_dir / "pipeline-state.json").exists():
+                rec = json.loads((run_dir / "pipeline-state.json").read_text())["stages"]
+                if rec.get("train", {}).get("status") == "running" and rec["train"].get("pid"):
+                    leftover = psutil.Process(rec["train"]["pid"])
+            time.sleep(0.05)
+        assert leftover is not None
+        runner.kill()  # the runner only: its stage lives on in its own session
+        runner.wait(timeout=10)
+        assert leftover.is_running()
+        code, out, state = _run(tmp_path, spec)
+        assert code == 0, out
+        assert f"stopped process {leftover.pid} left by a killed runner" in out
+        leftover.wait(timeout=10)
+        assert _ran(state) == ["train", "evaluate", "export"]
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if leftover is not None and leftover.is_running():
+            leftover.kill()

@@ -1,6 +1,7 @@
 """A stand-in stage for runner tests: reads inputs, writes an output, logs the call.
 
-    toy_stage.py --tag T [--in PATH ...] [--out PATH] [--sleep S] [--exit N] [--fail-first]
+    toy_stage.py --tag T [--in PATH ...] [--out PATH] [--sleep S] [--sleep-once S] [--exit N]
+                  [--fail-first]
 
 Appends ``tag start end pid`` to ``calls.log`` in the working directory (the run dir).
 """
@@ -22,10 +23,15 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--fail-first", action="store_true", help="fail unless a marker exists")
+    p.add_argument("--sleep-once", type=float, default=0.0, help="sleep on the first call only")
     args = p.parse_args()
     start = time.time()
     print(f"toy {args.tag} starting", flush=True)
     time.sleep(args.sleep)
+    slept = Path(f".{args.tag}.slept")
+    if args.sleep_once and not slept.exists():
+        slept.write_text("1")
+        time.sleep(args.sleep_once)
     if args.fail_first:
         marker = Path(f".{args.tag}.tried")
         if not marker.exists():
