@@ -331,11 +331,28 @@ def _parse_stage(value: object, index: int) -> Stage:
         env=r.env("env"),
     )
     r.done()
+    _check_placeholders(stage)
     for i, out in enumerate(stage.outputs):
         _check_rel(out, f"stages.{name}.outputs[{i}]")
         if "{" in out:
             raise _fail(f"stages.{name}.outputs[{i}]", "outputs are run-dir paths, no placeholders")
     return stage
+
+
+def _check_placeholders(stage: Stage) -> None:
+    # Fail at load time (run and render alike), not when the stage is about to start.
+    dummy = dict.fromkeys(PLACEHOLDERS, "")
+    where = f"stages.{stage.name}"
+    fields: list[tuple[str, tuple[str, ...]]] = [
+        ("command", stage.command or ()),
+        ("inputs", stage.inputs),
+        ("env", tuple(v for _, v in stage.env)),
+    ]
+    if stage.train is not None:
+        fields += [("train.script", (stage.train.script,)), ("train.args", stage.train.args)]
+    for name, values in fields:
+        for v in values:
+            substitute(v, dummy, f"{where}.{name}")
 
 
 def _parse_argo(r: _Reader | None) -> ArgoSpec:

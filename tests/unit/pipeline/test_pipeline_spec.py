@@ -101,6 +101,11 @@ def test_cycle_through_inputs_and_outputs_is_detected() -> None:
         ([{"name": "a", "train": {"script": "t.py", "nnodes": "two"}}], "N or MIN:MAX"),
         ([{"name": "a", "command": "x", "env": {"1BAD": "v"}}], "environment variable name"),
         ([{"name": "a", "command": ["ok", {"no": 1}]}], r"stages\.a\.command\[1\]"),
+        ([{"name": "a", "command": "{pyhton} x.py"}], r"stages\.a\.command: unknown placeholder"),
+        (
+            [{"name": "a", "train": {"script": "t.py", "args": ["{rundir}"]}}],
+            r"stages\.a\.train\.args: unknown placeholder \{rundir\}",
+        ),
     ],
 )
 def test_malformed_stage_is_one_error_naming_the_field(
