@@ -104,6 +104,7 @@ class Checkpointer:
         keep_every: int | None = None,
         async_save: bool = True,
         defer_copy: bool = True,
+        persist_max_bytes_s: float | None = None,
         save_rng: bool = True,
         events: EventLog | None = None,
         storage: Storage | None = None,
@@ -124,6 +125,8 @@ class Checkpointer:
                 ``save()`` itself returns in milliseconds. Requires that those tensors
                 change only inside ``optimizer.step()``; pass ``False`` if the script
                 mutates parameters elsewhere. Everything else is copied inside ``save()``.
+            persist_max_bytes_s: cap the background persist's write rate, trading a
+                longer persist for less interference with training (None: no cap).
             save_rng: save and restore per-rank RNG states of torch/CUDA/numpy/Python.
             events: event log; by default one in ``ctx.run_dir`` when that is set.
             storage: file operations (default: chosen from ``directory``); tests inject faults.
@@ -152,6 +155,9 @@ class Checkpointer:
         self._objects: dict[str, Stateful] = {}
         self._snapshot = HostSnapshot()
         self._defer = defer_copy
+        if persist_max_bytes_s is not None and persist_max_bytes_s <= 0:
+            raise CheckpointError("persist_max_bytes_s must be > 0 or None")
+        self._persist_rate = persist_max_bytes_s
         self._optimizers: list[torch.optim.Optimizer] = []
         self._copied = threading.Event()
         self._copied.set()
@@ -329,7 +335,10 @@ class Checkpointer:
     def _persist(self, step: int, payload: dict[str, Any], *, background: bool) -> None:
         t0 = self._clock.monotonic()
         files = {
-            (k if k.endswith(".pt") else f"{k}.pt"): _torch_writer(v) for k, v in payload.items()
+            (k if k.endswith(".pt") else f"{k}.pt"): _torch_writer(
+                v, self._persist_rate if background else None, self._clock
+            )
+            for k, v in payload.items()
         }
         try:
             manifest = commit_checkpoint(
@@ -475,8 +484,35 @@ class Checkpointer:
             self._events.emit(event, rank=self._ctx.rank, **fields)
 
 
-def _torch_writer(obj: Any) -> Any:
+def _torch_writer(obj: Any, rate: float | None = None, clock: Clock = SYSTEM_CLOCK) -> Any:
     def write(f: Any) -> None:
-        torch.save(obj, f)
+        target: Any = _Throttled(f, rate, clock) if rate else f  # a file-like is all torch needs
+        torch.save(obj, target)
 
     return write
+
+
+class _Throttled:
+    """Caps the average write rate (bytes/s) in 4 MiB pieces, so a background persist
+    takes a bounded share of CPU and memory bandwidth from training."""
+
+    _PIECE = 4 << 20
+
+    def __init__(self, raw: Any, rate: float, clock: Clock) -> None:
+        self._raw, self._rate, self._clock = raw, rate, clock
+        self._start = clock.monotonic()
+        self._sent = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self._PIECE):
+            piece = view[i : i + self._PIECE]
+            self._raw.write(piece)
+            self._sent += len(piece)
+            ahead = self._sent / self._rate - (self._clock.monotonic() - self._start)
+            if ahead > 0:
+                self._clock.sleep(ahead)
+        return len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()

@@ -353,3 +353,35 @@ def test_deferred_copy_holds_the_next_optimizer_step_until_state_is_copied(tmp_p
     c.load()
     assert torch.equal(m.weight, w_before)
     assert torch.equal(o.state[m.weight]["exp_avg"], exp_avg_before)
+
+
+def test_throttled_background_persist_sleeps_on_the_injected_clock(tmp_path: Path) -> None:
+    from flexrun.testing import FakeClock
+
+    clock = FakeClock()
+    big = _BigState()
+    c = Checkpointer(
+        str(tmp_path),
+        ctx=single_process_context(),
+        clock=clock,
+        persist_max_bytes_s=1_000_000.0,
+        save_rng=False,
+    )
+    c.register("big", big)
+    start = clock.monotonic()
+    c.save(1)
+    c.wait()
+    assert 3.9 <= clock.monotonic() - start <= 4.5  # ~4 MB at 1 MB/s, on the fake clock
+    c.load()
+    assert torch.equal(big.t, torch.ones(1_000_000))
+
+
+class _BigState:
+    def __init__(self) -> None:
+        self.t = torch.ones(1_000_000)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"t": self.t}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.t = state["t"]
