@@ -129,3 +129,43 @@ def test_missing_image_is_a_spec_error() -> None:
     )
     with pytest.raises(SpecError, match="argo.image is required"):
         render_workflow(p)
+
+
+def test_retries_etcd_store_and_gpus_render_valid_objects() -> None:
+    p = parse_pipeline(
+        {
+            "name": "x",
+            "argo": {"image": "i:1", "namespace": "ml", "serviceAccountName": "wf"},
+            "stages": [
+                {"name": "a", "command": "echo hi", "retries": 2, "timeout": 10, "outputs": ["o"]},
+                {
+                    "name": "t",
+                    "inputs": ["o"],
+                    "train": {
+                        "script": "{pipeline_dir}/t.py",
+                        "nnodes": "2:3",
+                        "nprocPerNode": "gpu",
+                        "k8s": {"resources": {"gpu": 8}, "store": {"type": "etcd"}},
+                    },
+                },
+                {"name": "b", "command": ["echo"], "deps": ["t"]},
+            ],
+        },
+        base_dir=Path("/tmp"),
+    )
+    wf = yaml.safe_load(to_yaml(render_workflow(p)))
+    templates = {t["name"]: t for t in wf["spec"]["templates"]}
+    assert templates["a"]["retryStrategy"] == {"limit": "2", "retryPolicy": "OnFailure"}
+    tasks = {t["name"]: t for t in templates["main"]["dag"]["tasks"]}
+    assert tasks["b"]["dependencies"] == ["t"]
+    assert {"t-statefulset", "t-service", "t-service-2"} <= set(tasks["t"]["dependencies"])
+    from flexrun.k8s.validate import validate_documents
+
+    report = validate_documents(embedded_manifests(wf))
+    assert report.ok, [str(x) for x in report.problems]
+    if ARGO_SCHEMA.is_file():
+        import jsonschema
+
+        schema = json.loads(ARGO_SCHEMA.read_text())
+        errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(wf))
+        assert not errors, [e.message[:300] for e in errors]
