@@ -170,6 +170,13 @@ def render_train_manifests(pipeline: Pipeline, stage: Stage) -> list[Manifest]:
                 if c["name"] == CONTAINER_NAME:
                     # Relative paths in the args mean the shared artifacts volume, as locally.
                     c["workingDir"] = pipeline.argo.mount_path
+    from flexrun.k8s.validate import validate_documents
+
+    # Never emit a workflow whose job the operator would reject (structural checks only:
+    # they need no optional package; the tests also run Kubernetes' own schemas).
+    report = validate_documents(manifests, use_core_schemas=False)
+    if report.errors:
+        raise SpecError(f"{where}: the rendered PyTorchJob is invalid: {report.errors[0]}")
     return manifests
 
 
