@@ -105,6 +105,7 @@ class Checkpointer:
         async_save: bool = True,
         defer_copy: bool = True,
         persist_max_bytes_s: float | None = None,
+        persist_when_idle: bool = True,
         save_rng: bool = True,
         events: EventLog | None = None,
         storage: Storage | None = None,
@@ -127,6 +128,9 @@ class Checkpointer:
                 mutates parameters elsewhere. Everything else is copied inside ``save()``.
             persist_max_bytes_s: cap the background persist's write rate, trading a
                 longer persist for less interference with training (None: no cap).
+            persist_when_idle: run the background persist under ``SCHED_IDLE`` (Linux), so
+                it takes only CPU time that training leaves unused; if training never
+                idles, the next ``save()`` waits for it (a visible stall, never a hang).
             save_rng: save and restore per-rank RNG states of torch/CUDA/numpy/Python.
             events: event log; by default one in ``ctx.run_dir`` when that is set.
             storage: file operations (default: chosen from ``directory``); tests inject faults.
@@ -158,6 +162,7 @@ class Checkpointer:
         if persist_max_bytes_s is not None and persist_max_bytes_s <= 0:
             raise CheckpointError("persist_max_bytes_s must be > 0 or None")
         self._persist_rate = persist_max_bytes_s
+        self._idle = persist_when_idle
         self._optimizers: list[torch.optim.Optimizer] = []
         self._copied = threading.Event()
         self._copied.set()
@@ -321,13 +326,13 @@ class Checkpointer:
         payload: dict[str, Any],
         pending: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        # Runs at normal priority on purpose: a niced thread that holds the GIL while
-        # descheduled stalls the training thread (measured: +39% step time vs +5%).
         try:
             try:
-                run_copies(pending)
+                run_copies(pending)  # at normal priority: the next optimizer step waits on it
             finally:
                 self._copied.set()
+            if self._idle:
+                _enter_idle_priority()
             self._persist(step, payload, background=True)
         except BaseException as exc:  # handed to the training thread on its next call
             self._error = exc
@@ -516,3 +521,11 @@ class _Throttled:
 
     def flush(self) -> None:
         self._raw.flush()
+
+
+def _enter_idle_priority() -> None:
+    """Move the calling thread to ``SCHED_IDLE`` (Linux only; elsewhere it stays as is)."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:  # not Linux or not permitted: normal priority
+        log.debug("could not lower the checkpoint thread's priority: %s", exc)
