@@ -290,6 +290,8 @@ class LiveSupervisor:
             self._reap(lw)
             del self.slots[slot]
             self._count_failure(cause)
+            if any(other.finished for other in self.slots.values()):
+                continue  # training is complete: nothing left for a replacement to do
             self._fill(slot, include_now=False)
             changed = True
         if self.slots and all(lw.finished for lw in self.slots.values()):

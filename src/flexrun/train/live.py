@@ -63,6 +63,10 @@ class LiveAborted(FlexrunError):
     """The current epoch ended under a step (a member died or the membership changed)."""
 
 
+class _TrainingFinished(Exception):
+    """The job's members completed every step while this worker waited to join."""
+
+
 @dataclass(frozen=True, slots=True)
 class EpochRecord:
     """Who trains in epoch ``number``, in rank order."""
@@ -235,6 +239,7 @@ class LiveLoop:
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
         self._epoch_key, self._ns = live_keys(self.env.run_id)
+        self._done_key = self._epoch_key.rsplit("/", 1)[0] + "/done"
 
         from flexrun.store.tcp import TcpStore
 
@@ -282,7 +287,14 @@ class LiveLoop:
 
     # -- the loop ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
-        self._rejoin(reason="start")
+        try:
+            self._rejoin(reason="start")
+        except _TrainingFinished:
+            # A replacement that arrived after the last step: nothing to train, and no
+            # trained state to hand to the code after the loop. Leave quietly.
+            self.events.emit("live_late_joiner_exit", committed=self.committed)
+            self._retire()
+            sys.exit(0)
         try:
             while self.committed < self.total_steps:
                 torch.manual_seed(self.seed * 7919 + self.committed * 104729 + self.rank)
@@ -294,6 +306,7 @@ class LiveLoop:
                     continue
                 if self._preempted_all():
                     return
+            self.store.put(self._done_key, str(self.total_steps).encode())
             if self._ckpt is not None:
                 self._ckpt.wait()
         finally:
@@ -396,6 +409,7 @@ class LiveLoop:
         deadline = time.monotonic() + self.timeout_s
         while True:
             since = self.store.revision()
+            self._check_finished()
             rec = self._read_epoch()
             if rec is not None and rec.number > after:
                 if self.env.worker_id in rec.members:
@@ -407,6 +421,10 @@ class LiveLoop:
                     f"no new membership epoch after {after} within {self.timeout_s:g}s"
                 )
             self.store.wait_for_change(self._epoch_key, since, 0.5)
+
+    def _check_finished(self) -> None:
+        if not self.has_state and self.store.get(self._done_key) is not None:
+            raise _TrainingFinished()
 
     def _rejoin(self, *, reason: str) -> None:
         t0 = time.monotonic()
@@ -439,6 +457,7 @@ class LiveLoop:
             except RuntimeError as exc:
                 if "timeout" not in str(exc).lower():
                     raise LiveAborted(f"store failed during agreement: {exc}") from exc
+            self._check_finished()
             latest = self._read_epoch()
             if latest is not None and latest.number != rec.number:
                 raise LiveAborted(f"epoch {latest.number} superseded {rec.number} during agreement")
