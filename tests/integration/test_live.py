@@ -201,8 +201,85 @@ def test_a_stopped_worker_is_excluded_within_the_heartbeat_timeout(procs: Procs)
 
 
 def _assert_survivors_agree_so_far(run: Path) -> None:
-    joined = [e for e in read_events(run / "run") if e["event"] == "live_joined"]
+    events_dir = run / "run" if (run / "run").exists() else run
+    joined = [e for e in read_events(events_dir) if e["event"] == "live_joined"]
     by_epoch: dict[int, set[str]] = {}
     for e in joined:
         by_epoch.setdefault(e["epoch"], set()).add(e["checksum"])
     assert all(len(s) == 1 for s in by_epoch.values()), by_epoch
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_live_kill_9_of_one_agent_keeps_the_others_pids_and_a_new_agent_joins(
+    procs: Procs, store_server: tuple[str, int]
+) -> None:
+    host, port = store_server
+    progress = procs.tmp / "p.jsonl"
+
+    def agent(name: str):  # type: ignore[no-untyped-def]
+        return procs.start(
+            [
+                "run",
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "2",
+                "--mode",
+                "live",
+                "--warm-spares",
+                "0",
+                "--rdzv-endpoint",
+                f"{host}:{port}",
+                "--rdzv-id",
+                "livejob",
+                "--rdzv-conf",
+                HB,
+                "--max-restarts",
+                "5",
+                "--node-id",
+                name,
+                "--run-dir",
+                str(procs.tmp / f"run-{name}"),
+                str(LIVE_STEPS),
+                "--steps",
+                "100000",
+                "--step-time",
+                "0.05",
+                "--progress",
+                str(progress),
+            ],
+            name=name,
+        )
+
+    a = agent("a")
+    wait_for(lambda: read_progress(progress), 90, "node a to train")
+    b = agent("b")
+    wait_for(
+        lambda: any(r.get("world") == 4 for r in read_progress(progress)),
+        90,
+        "the job at 2 nodes (world 4)",
+    )
+    b_pids = _workers(b.pid, 2)
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait(timeout=10)
+    t_kill = time.time()
+    wait_for(
+        lambda: any(r.get("world") == 2 and r["ts"] > t_kill for r in read_progress(progress)),
+        60,
+        "node b alone at world 2",
+    )
+    after = [r for r in read_progress(progress) if r.get("ts", 0) > t_kill + 0.5 and "step" in r]
+    assert {r["pid"] for r in after if r["world"] == 2} == set(b_pids), (
+        "node b's workers were restarted"
+    )
+    t_join = time.time()
+    agent("c")
+    wait_for(
+        lambda: any(r.get("world") == 4 and r["ts"] > t_join for r in read_progress(progress)),
+        90,
+        "a new node to join at a step boundary",
+    )
+    grown = [r for r in read_progress(progress) if r.get("ts", 0) > t_join and r.get("world") == 4]
+    assert set(b_pids) <= {r["pid"] for r in grown}
+    assert b.poll() is None
+    _assert_survivors_agree_so_far(procs.tmp / "run-b")
