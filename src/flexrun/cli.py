@@ -130,7 +130,8 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
         env,
         "warm-spares",
         None,
-        "live mode: idle workers kept ready to replace a dead one (default 1)",
+        "idle interpreters with torch imported, kept to replace workers: live mode "
+         "default 1, restart mode default nproc-per-node (a restart then skips the cold start); 0: none",
     )
     _flag(p, env, "module", "run the entrypoint as a Python module (python -m)", short="-m")
     _flag(p, env, "no-python", "run the entrypoint as an executable, not with python")

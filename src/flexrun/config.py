@@ -365,7 +365,7 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     )
     spares_raw = a["warm_spares"]
     try:
-        spares = int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else 0)
+        spares = int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else nproc)
     except ValueError:
         raise ConfigError(f"--warm-spares {spares_raw!r}: expected an integer") from None
     console = frozenset({"stdout", "stderr"}) - _streams(a["redirects"], "--redirects")

@@ -14,13 +14,16 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.live import LiveSupervisor
+from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
-from flexrun.agent.workers import WorkerGroup, WorkerResult, build_command
+from flexrun.agent.workers import Worker, WorkerGroup, WorkerResult, build_command
 from flexrun.config import RunConfig
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.observe.events import EventLog
@@ -33,6 +36,9 @@ log = logging.getLogger("flexrun.agent")
 # A restart stops workers that may be blocked in a collective with a dead peer: they will
 # not reach a clean exit, so do not wait long before SIGKILL.
 RESTART_GRACE_S = 2.0
+# Warm spares are started this long after a round's workers, so that they do not compete
+# with the workers' own start-up for CPU.
+SPARE_DELAY_S = 3.0
 
 
 class _Terminated(BaseException):
@@ -77,6 +83,10 @@ class ElasticAgent:
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
+        self.pool: WarmPool | None = None
+        if config.mode == "restart" and config.warm_spares > 0 and not config.no_python:
+            log_root = config.log_dir or (config.run_dir / "logs")
+            self.pool = WarmPool(config.warm_spares, config.environ, log_root / "spares")
         self.live: LiveSupervisor | None = None
         if config.mode == "live":
             if store_addr is None:
@@ -108,6 +118,8 @@ class ElasticAgent:
             return code
         finally:
             self._stop_workers(0, reason="agent exit")
+            if self.pool is not None:
+                self.pool.close()
             self.rdzv.leave()
             self._restore_signals(previous)
 
@@ -175,6 +187,10 @@ class ElasticAgent:
                 return outcome
             if self._pending_failure is not None:
                 return None
+        if self.pool is not None and self._runs and (
+            self.group is None or self.clock.monotonic() - self._run_started >= SPARE_DELAY_S
+        ):
+            self.pool.fill()
         action = self.rdzv.step(self.running)
         if isinstance(action, Run) and self.live is not None:
             self._live_round(action.round)
@@ -260,7 +276,11 @@ class ElasticAgent:
         log_root = self.config.log_dir or (self.config.run_dir / "logs")
         log_dir = log_root / f"round_{rnd.number}"
         self.group = WorkerGroup.start(
-            self._command, envs, log_dir, console_streams=self.config.console_streams
+            self._command,
+            envs,
+            log_dir,
+            console_streams=self.config.console_streams,
+            warm=self._warm if self.pool is not None else None,
         )
         self.running = rnd.number
         self._runs += 1
@@ -284,6 +304,16 @@ class ElasticAgent:
             rnd.rank_base(self.me.node_id),
             rnd.rank_base(self.me.node_id) + self.config.nproc_per_node - 1,
         )
+
+    def _warm(self, env: Mapping[str, str], wdir: Path, rank: int, local_rank: int) -> Worker | None:
+        """A warm spare for ``rank``, or None (then the worker is started fresh)."""
+        assert self.pool is not None
+        w = self.pool.take()
+        if w is None:
+            return None
+        c = self.config
+        return assign(w, env=env, entry=c.entrypoint, args=c.args, module=c.module, rank=rank,
+                      local_rank=local_rank, log_dir=wdir)
 
     def _check_workers(self) -> int | None:
         assert self.group is not None and self.running is not None
@@ -375,7 +405,7 @@ class ElasticAgent:
         )
 
     def _stop_workers(self, grace_s: float, *, reason: str, productive: bool = True) -> None:
-        if self.live is not None and (self.live.active or self.live.spares):
+        if self.live is not None and (self.live.active or self.live.pool is not None):
             self.live.stop(grace_s)
             if productive:
                 self._productive_s += self.clock.monotonic() - self._run_started

@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
 from flexrun.agent.workers import (
     Worker,
@@ -55,8 +55,6 @@ class LiveWorker:
     heartbeat: Path
     included: bool = False
     """Part of this node's published member list."""
-    ready_file: Path | None = None
-    """Spares only: exists once the spare has imported torch and waits for work."""
     finished: bool = False
     tees: list[_Tee] = field(default_factory=list)
 
@@ -86,7 +84,6 @@ class LiveSupervisor:
         self.clock = clock
         self.node = rdzv.me.node_id
         self.slots: dict[int, LiveWorker] = {}
-        self.spares: list[LiveWorker] = []
         self.round: RoundRecord | None = None
         self._seq = 0
         self._tee_done = threading.Event()
@@ -96,6 +93,8 @@ class LiveSupervisor:
         self._counted_epoch = -1
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / self.node
+        usable = warm_spares > 0 and not config.no_python
+        self.pool = WarmPool(warm_spares, config.environ, self._log_root / "spares") if usable else None
 
     @property
     def active(self) -> bool:
@@ -144,67 +143,26 @@ class LiveSupervisor:
         self.events.emit("worker_started", worker_id=wid, local_rank=slot, pid=w.proc.pid, spare=False)
         return lw
 
-    def _spawn_spare(self) -> LiveWorker:
-        wid = self._next_id()
-        hb = self._hb_root / wid
-        hb.unlink(missing_ok=True)
-        cmd = [sys.executable, "-u", "-m", "flexrun.train.spare"]
-        ready = self._hb_root / f"{wid}.spare-ready"
-        ready.parent.mkdir(parents=True, exist_ok=True)
-        ready.unlink(missing_ok=True)
-        env = dict(self.config.environ, FLEXRUN_SPARE_READY=str(ready))
-        w = spawn_worker(cmd, env, self._log_root / wid, rank=-1, local_rank=-1, stdin=subprocess.PIPE)
-        lw = LiveWorker(wid, w, hb, ready_file=ready)
-        lw.tees = start_tees(w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
-        return lw
-
-    def _promote(self, spare: LiveWorker, slot: int) -> None:
-        task = {
-            "env": self._env(slot, spare.worker_id, spare.heartbeat),
-            "entry": self.config.entrypoint,
-            "args": list(self.config.args),
-            "module": self.config.module,
-        }
-        proc = spare.worker.proc
-        assert proc.stdin is not None
-        proc.stdin.write((json.dumps(task) + "\n").encode())
-        proc.stdin.close()
-        spare.worker.local_rank = slot
-        spare.worker.rank = slot
-        self.events.emit("worker_started", worker_id=spare.worker_id, local_rank=slot, pid=proc.pid, spare=True)
-
     def _fill(self, slot: int, *, include_now: bool) -> None:
         """Put a worker in ``slot``: a ready warm spare joins the next epoch at once (the
         world size, and so bitwise reproducibility, is kept); otherwise a fresh process is
         started and joins at a step boundary once it is up, while the others carry on."""
-        spare = None
-        for candidate in list(self.spares):
-            if candidate.worker.proc.poll() is not None:
-                self.spares.remove(candidate)
-                self._reap(candidate)
-            elif spare is None and candidate.ready_file is not None and candidate.ready_file.exists():
-                spare = candidate
-        if spare is not None and not self.config.module and not self.config.no_python:
-            self.spares.remove(spare)
-            self._promote(spare, slot)
-            spare.included = True
-            self.slots[slot] = spare
-            log.info("slot %d: warm spare %s takes over", slot, spare.worker_id)
+        spare = self.pool.take() if self.pool is not None else None
+        if spare is None:
+            lw = self._spawn(slot)
+            lw.included = include_now
+            self.slots[slot] = lw
             return
-        lw = self._spawn(slot)
-        lw.included = include_now
+        wid = self._next_id()
+        hb = self._hb_root / wid
+        hb.unlink(missing_ok=True)
+        assign(spare, env=self._env(slot, wid, hb), entry=self.config.entrypoint, args=self.config.args,
+               module=self.config.module, rank=slot, local_rank=slot, log_dir=self._log_root / wid)
+        lw = LiveWorker(wid, spare, hb, included=True)
+        lw.tees = start_tees(spare.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
         self.slots[slot] = lw
-
-    def _top_up_spares(self) -> None:
-        alive = []
-        for sp in self.spares:
-            if sp.worker.proc.poll() is None:
-                alive.append(sp)
-            else:
-                self._reap(sp)
-        self.spares = alive
-        while len(self.spares) < self.warm_spares and not self.config.no_python:
-            self.spares.append(self._spawn_spare())
+        self.events.emit("worker_started", worker_id=wid, local_rank=slot, pid=spare.proc.pid, spare=True)
+        log.info("slot %d: a warm spare takes over as %s", slot, wid)
 
     def _reap(self, lw: LiveWorker) -> None:
         p = lw.worker.proc
@@ -224,7 +182,8 @@ class LiveSupervisor:
         first_in_job = self.store.get(self._epoch_key) is None
         for slot in range(self.config.nproc_per_node):
             self._fill(slot, include_now=first_in_job)
-        self._top_up_spares()
+        if self.pool is not None:
+            self.pool.fill()
         self.publish()
 
     def on_round(self, rnd: RoundRecord) -> None:
@@ -233,7 +192,9 @@ class LiveSupervisor:
         self.publish()
 
     def stop(self, grace_s: float) -> None:
-        procs = [lw for lw in [*self.slots.values(), *self.spares]]
+        if self.pool is not None:
+            self.pool.close()
+        procs = list(self.slots.values())
         for lw in procs:
             if lw.worker.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -249,7 +210,6 @@ class LiveSupervisor:
                 t.join(timeout=2)
         self._tee_done = threading.Event()
         self.slots.clear()
-        self.spares.clear()
         self._published = None
 
     # -- monitoring ---------------------------------------------------------------------------
@@ -296,7 +256,8 @@ class LiveSupervisor:
             changed = True
         if self.slots and all(lw.finished for lw in self.slots.values()):
             return 0
-        self._top_up_spares()
+        if self.pool is not None:
+            self.pool.fill()
         if changed or self._published is None or self.round is not None:
             self.publish()
         return None

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -219,15 +219,23 @@ class WorkerGroup:
         log_dir: Path,
         *,
         console_streams: frozenset[str] = frozenset({"stdout", "stderr"}),
+        warm: Callable[[Mapping[str, str], Path, int, int], Worker | None] | None = None,
     ) -> WorkerGroup:
-        """Start one process per environment in ``envs`` (local rank = index)."""
+        """Start one process per environment in ``envs`` (local rank = index).
+
+        ``warm(env, log_dir, rank, local_rank)`` may supply an already started interpreter
+        (a warm spare) instead of a new process.
+        """
         workers: list[Worker] = []
         tees: list[_Tee] = []
         done = threading.Event()
         try:
             for local_rank, env in enumerate(envs):
                 rank = int(env["RANK"])
-                w = spawn_worker(command, env, log_dir / f"rank_{rank}", rank=rank, local_rank=local_rank)
+                wdir = log_dir / f"rank_{rank}"
+                w = warm(env, wdir, rank, local_rank) if warm is not None else None
+                if w is None:
+                    w = spawn_worker(command, env, wdir, rank=rank, local_rank=local_rank)
                 workers.append(w)
                 tees.extend(start_tees(w.log_dir, f"[rank{rank}]:", console_streams, done))
         except OSError:

@@ -28,6 +28,12 @@ def main() -> int:
     if not line.strip():
         return 0
     task = json.loads(line)
+    for stream, fd in (("stdout", 1), ("stderr", 2)):
+        if task.get(stream):
+            # The worker's own log file for its rank, as if it had been started fresh.
+            target = os.open(task[stream], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
     os.environ.clear()
     os.environ.update(task["env"])
     sys.stdin = open(os.devnull)  # noqa: SIM115  (the assignment channel is done)

@@ -1,0 +1,106 @@
+"""Warm interpreters: idle worker processes with Python and torch already imported.
+
+Owns starting, handing out and reaping spares (``python -m flexrun.train.spare``). A
+restart in restart mode, or a replacement in live mode, takes a ready spare instead of
+paying the interpreter and ``import torch`` again (seconds on a busy node, most of a
+restart). A spare becomes a worker when it is sent its environment, entry point and log
+paths on stdin; it then runs the script exactly as a fresh process would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from flexrun.agent.workers import Worker, spawn_worker
+
+
+class WarmPool:
+    """Up to ``size`` spares for one node."""
+
+    def __init__(self, size: int, environ: Mapping[str, str], root: Path) -> None:
+        self.size = size
+        self.environ = dict(environ)
+        self.root = root
+        self.spares: list[tuple[Worker, Path]] = []
+        self._seq = 0
+
+    def fill(self) -> None:
+        """Reap dead spares and start new ones up to the pool size."""
+        alive = []
+        for w, ready in self.spares:
+            if w.proc.poll() is None:
+                alive.append((w, ready))
+            else:
+                _reap(w)
+        self.spares = alive
+        while len(self.spares) < self.size:
+            self._seq += 1
+            name = f"spare-{os.getpid()}-{self._seq}"
+            ready = self.root / f"{name}.ready"
+            ready.parent.mkdir(parents=True, exist_ok=True)
+            ready.unlink(missing_ok=True)
+            env = dict(self.environ, FLEXRUN_SPARE_READY=str(ready))
+            cmd = [sys.executable, "-u", "-m", "flexrun.train.spare"]
+            w = spawn_worker(cmd, env, self.root / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE)
+            self.spares.append((w, ready))
+
+    def take(self) -> Worker | None:
+        """A spare that has finished its imports, or None."""
+        for i, (w, ready) in enumerate(self.spares):
+            if w.proc.poll() is None and ready.exists():
+                del self.spares[i]
+                return w
+        return None
+
+    def close(self) -> None:
+        for w, _ in self.spares:
+            _reap(w)
+        self.spares = []
+
+
+def assign(
+    w: Worker,
+    *,
+    env: Mapping[str, str],
+    entry: str,
+    args: Sequence[str],
+    module: bool,
+    rank: int,
+    local_rank: int,
+    log_dir: Path | None = None,
+) -> Worker:
+    """Turn spare ``w`` into a worker; with ``log_dir`` its output moves to that
+    directory's ``stdout.log``/``stderr.log`` (and its error file there)."""
+    env = dict(env)
+    task: dict[str, object] = {"entry": entry, "args": list(args), "module": module}
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        w.log_dir = log_dir
+        w.error_file = log_dir / "error.json"
+        w.error_file.unlink(missing_ok=True)
+        task["stdout"] = str(log_dir / "stdout.log")
+        task["stderr"] = str(log_dir / "stderr.log")
+    env["TORCHELASTIC_ERROR_FILE"] = str(w.error_file)
+    task["env"] = env
+    assert w.proc.stdin is not None
+    w.proc.stdin.write((json.dumps(task) + "\n").encode())
+    w.proc.stdin.close()
+    w.rank, w.local_rank = rank, local_rank
+    return w
+
+
+def _reap(w: Worker) -> None:
+    if w.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(w.proc.pid, signal.SIGKILL)
+    w.proc.wait()
+    for f in w.files:
+        f.close()
+    w.files.clear()
