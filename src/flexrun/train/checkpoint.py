@@ -8,7 +8,8 @@ fallback event for each one skipped), and the checkpoint events. The layout and 
 protocol live in ``flexrun.train.commit``; file operations in ``flexrun.train.storage``.
 
 Replicated (DDP) state: rank 0 is the one writer; RNG states of all ranks are gathered to
-it; every rank reads the checkpoint that rank 0 chose. Sharded (FSDP/DTensor) state goes
+it; every rank reads the checkpoint that rank 0 chose. After a resize, ranks that did not
+exist in the saved run keep the RNG state the script seeded. Sharded (FSDP/DTensor) state goes
 through :class:`flexrun.train.sharded.ShardedCheckpointer` instead.
 """
 
@@ -46,7 +47,7 @@ from flexrun.train.state import (
     run_copies,
     synchronize_device,
 )
-from flexrun.train.storage import Storage, open_storage
+from flexrun.train.storage import Storage, ThrottledWriter, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -491,36 +492,12 @@ class Checkpointer:
 
 def _torch_writer(obj: Any, rate: float | None = None, clock: Clock = SYSTEM_CLOCK) -> Any:
     def write(f: Any) -> None:
-        target: Any = _Throttled(f, rate, clock) if rate else f  # a file-like is all torch needs
+        target: Any = (
+            ThrottledWriter(f, rate, clock) if rate else f
+        )  # a file-like is all torch needs
         torch.save(obj, target)
 
     return write
-
-
-class _Throttled:
-    """Caps the average write rate (bytes/s) in 4 MiB pieces, so a background persist
-    takes a bounded share of CPU and memory bandwidth from training."""
-
-    _PIECE = 4 << 20
-
-    def __init__(self, raw: Any, rate: float, clock: Clock) -> None:
-        self._raw, self._rate, self._clock = raw, rate, clock
-        self._start = clock.monotonic()
-        self._sent = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        for i in range(0, len(view), self._PIECE):
-            piece = view[i : i + self._PIECE]
-            self._raw.write(piece)
-            self._sent += len(piece)
-            ahead = self._sent / self._rate - (self._clock.monotonic() - self._start)
-            if ahead > 0:
-                self._clock.sleep(ahead)
-        return len(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
 
 
 def _enter_idle_priority() -> None:

@@ -17,6 +17,7 @@ import os
 import shutil
 from typing import Any, BinaryIO, Protocol
 
+from flexrun._clock import Clock
 from flexrun.errors import CheckpointError
 
 
@@ -41,6 +42,32 @@ class HashingWriter:
         n = len(view) if written is None else written
         self.size += n
         return n
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class ThrottledWriter:
+    """Caps the average write rate (bytes/s) in 4 MiB pieces, so a background persist
+    takes a bounded share of CPU and memory bandwidth from training."""
+
+    _PIECE = 4 << 20
+
+    def __init__(self, raw: Any, rate: float, clock: Clock) -> None:
+        self._raw, self._rate, self._clock = raw, rate, clock
+        self._start = clock.monotonic()
+        self._sent = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self._PIECE):
+            piece = view[i : i + self._PIECE]
+            self._raw.write(piece)
+            self._sent += len(piece)
+            ahead = self._sent / self._rate - (self._clock.monotonic() - self._start)
+            if ahead > 0:
+                self._clock.sleep(ahead)
+        return len(view)
 
     def flush(self) -> None:
         self._raw.flush()
