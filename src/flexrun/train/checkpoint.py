@@ -15,6 +15,7 @@ through :class:`flexrun.train.sharded.ShardedCheckpointer` instead.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -254,7 +255,7 @@ class Checkpointer:
             copied, pending = self._snapshot.take(states, defer)
             synchronize_device()
             payload: dict[str, Any] = dict(copied)
-            payload[EXTRA_FILE] = dict(extra or {})
+            payload[EXTRA_FILE] = copy.deepcopy(dict(extra or {}))  # the caller may mutate it
             if rngs is not None:
                 payload[RNG_FILE] = rngs
             self._copy_wait_s = 0.0
