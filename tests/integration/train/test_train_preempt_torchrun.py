@@ -61,3 +61,33 @@ def test_example_runs_and_resumes_under_torchrun(tmp_path: Path) -> None:
     assert re.search(r"start_step=20\b", second.stdout) and "done at step 30" in second.stdout
     manifest = json.loads((ck / "step_30" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["step"] == 30
+
+
+@pytest.mark.timeout(120)
+def test_flexrun_env_sends_events_to_the_run_dir_and_an_older_round_is_fenced(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    run_dir, ck = tmp_path / "run", tmp_path / "ck"
+    env = {
+        "FLEXRUN_RUN_DIR": str(run_dir),
+        "FLEXRUN_ROUND": "3",
+        "FLEXRUN_RUN_ID": "job7",
+        "FLEXRUN_NODE": "n1",
+    }
+    args = ["--steps", "10", "--ckpt-every", "5", "--ckpt-dir", str(ck)]
+    g = launcher.start(1, args, env=env)
+    assert g.wait(60) == [0], g.output()
+    saved = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint_saved"]
+    assert [e["step"] for e in saved] == [5, 10]
+    for e in saved:
+        assert (e["run_id"], e["node"], e["round"]) == ("job7", "n1", 3)
+        assert e["bytes"] > 0 and e["stall_s"] >= 0 and e["persist_s"] >= 0
+    assert json.loads((ck / "fence.json").read_text()) == {"round": 3}
+
+    straggler = launcher.start(1, [*args, "--steps", "20"], env={**env, "FLEXRUN_ROUND": "2"})
+    assert straggler.wait(60) == [1]
+    assert "FencedError" in straggler.output() and "round 3" in straggler.output()
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step_")) == [
+        "step_10",
+        "step_5",
+    ]
