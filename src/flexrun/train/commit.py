@@ -12,6 +12,13 @@ stage files in ``.tmp-step_<N>-r<round>-<id>/`` (each file fsynced, then the dir
 write ``manifest.json`` last, check the fence, rename the directory to ``step_<N>``
 (never over a live one), fsync the root, point ``latest`` at it by atomic rename,
 re-check the fence, prune old checkpoints.
+
+Fencing: the one writer of round R claims ``fence.json`` (R) when its Checkpointer is
+built; a writer of an older round is refused at construction, before staging and before
+the rename, and withdraws its checkpoint if it finds the fence raised after renaming.
+Without a compare-and-set on the filesystem a window of one rename remains between the
+last check and the rename; the withdrawal closes most of it. Staging directories are per
+writer, so writes never interleave.
 """
 
 from __future__ import annotations
