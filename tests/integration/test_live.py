@@ -97,9 +97,7 @@ def _reference(procs: Procs, steps: int, nproc: int = 4) -> dict[str, torch.Tens
 
 
 def _spare_ready(run: Path) -> bool:
-    return any(
-        p.name.endswith(".spare-ready") for p in (run / "run" / "live-heartbeats").rglob("*")
-    )
+    return any((run / "run").rglob("spare-*.ready"))
 
 
 @pytest.mark.timeout(400)
