@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.close()
                 if ctx.is_main:
                     print(f"rank0: preempted at step {step}; checkpoint saved", flush=True)
+                ft.shutdown()
                 guard.exit(step=step)
             if args.step_sleep:
                 time.sleep(args.step_sleep)

@@ -72,8 +72,13 @@ class PreemptionGuard:
             t = torch.tensor([local], dtype=torch.int32)
             if dist.get_backend() == "nccl":
                 t = t.to(self._ctx.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            # Keep the work object alive until after wait(): if gloo's thread dropped the
+            # last reference it would need the GIL to free ``t`` (see context.shutdown).
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+            assert work is not None
+            work.wait()
             stop = bool(t.item())
+            del work
         else:
             stop = bool(local)
         if stop:
