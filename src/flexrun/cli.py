@@ -117,6 +117,8 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
         "recovery mode: live (survivors never restart; scripts using "
         "flexrun.train.LiveLoop), restart (torchrun semantics), auto (live if the script uses LiveLoop)",
     )
+    _opt(p, env, "hang-timeout", "0", "seconds without step progress (flexrun.train.report_progress) "
+         "before a rank's stacks are captured and it is failed; 0: off")
     _opt(p, env, "metrics-port", None, "serve Prometheus metrics on this port (default: off)")
     _opt(
         p,

@@ -217,6 +217,9 @@ class RunConfig:
     """``restart`` (torchrun semantics) or ``live`` (survivors never restart)."""
     warm_spares: int = 0
     """Live mode: idle worker processes kept ready (torch imported) to replace a dead one."""
+    hang_timeout_s: float = 0.0
+    """A rank that reported progress (flexrun.train.report_progress) and then none for this
+    long is hung: its stacks are captured and it is treated as failed. 0: off."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (off when None)."""
     resource_interval_s: float = 10.0
@@ -229,6 +232,8 @@ class RunConfig:
             raise ConfigError("--monitor-interval must be positive")
         if self.mode not in ("restart", "live"):
             raise ConfigError(f"--mode {self.mode!r}: choose live, restart or auto")
+        if self.hang_timeout_s < 0:
+            raise ConfigError(f"--hang-timeout {self.hang_timeout_s:g}: must be 0 (off) or positive")
         if self.warm_spares < 0:
             raise ConfigError(f"--warm-spares {self.warm_spares}: must be 0 or more")
         if self.mode == "live" and self.store.backend in BACKENDS_ETCD:
@@ -390,6 +395,7 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         mode=mode,
         warm_spares=spares,
         metrics_port=_port_or_none(a["metrics_port"], "--metrics-port"),
+        hang_timeout_s=float(a["hang_timeout"]),
         resource_interval_s=float(a["resource_interval"]),
     )
 

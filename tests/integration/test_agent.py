@@ -255,3 +255,22 @@ def test_module_and_no_python_entrypoints(procs: Procs) -> None:
     assert agent.wait(timeout=50) == 0, procs.stderr("n")
     assert (procs.tmp / "nopy0").read_text().strip() == "hi"
     _ = psutil, time
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_sleeps_forever_in_a_step_is_caught_with_its_stack_and_the_job_recovers(procs: Procs) -> None:
+    run_dir = procs.tmp / "run"
+    script = DDP_STEPS.parent / "hang_steps.py"
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-timeout", "3",
+         "--warm-spares", "0", "--run-dir", str(run_dir), str(script), "--marker", str(procs.tmp / "hung-once")],
+        name="agent",
+    )
+    assert agent.wait(timeout=150) == 0, procs.stderr("agent")[-3000:]
+    hangs = [e for e in read_events(run_dir) if e["event"] == "hang_detected"]
+    assert len(hangs) == 1 and hangs[0]["rank"] == 1
+    stacks = (run_dir / "hangs").glob("*.txt")
+    text = "".join(p.read_text() for p in stacks)
+    assert "sleep_forever_in_step" in text, text[:2000]
+    failures = [e for e in read_events(run_dir) if e["event"] == "failure"]
+    assert failures and "hang" in failures[0]["message"]

@@ -10,10 +10,13 @@ when the job stopped on signal N (143 for a preemption's SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
@@ -23,7 +26,7 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.live import LiveSupervisor
 from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
-from flexrun.agent.workers import Worker, WorkerGroup, WorkerResult, build_command
+from flexrun.agent.workers import Worker, WorkerGroup, WorkerResult, build_command, capture_stacks
 from flexrun.config import RunConfig
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.observe.events import EventLog
@@ -275,6 +278,11 @@ class ElasticAgent:
         )
         log_root = self.config.log_dir or (self.config.run_dir / "logs")
         log_dir = log_root / f"round_{rnd.number}"
+        if self.config.hang_timeout_s > 0:
+            for env in envs:
+                wdir = log_dir / f"rank_{env['RANK']}"
+                env["FLEXRUN_PROGRESS_FILE"] = str(wdir / "progress")
+                env["FLEXRUN_STACK_FILE"] = str(wdir / "stacks.txt")
         self.group = WorkerGroup.start(
             self._command,
             envs,
@@ -305,6 +313,41 @@ class ElasticAgent:
             rnd.rank_base(self.me.node_id) + self.config.nproc_per_node - 1,
         )
 
+    def _detect_hangs(self) -> None:
+        """A rank that reported progress once and then none for --hang-timeout is hung:
+        capture every local worker's stacks, record them, and fail the rank to blame."""
+        assert self.group is not None
+        now = time.time()
+        silent: dict[int, float] = {}
+        for w in self.group.workers:
+            if w.result is not None or w.proc.poll() is not None:
+                continue
+            try:
+                age = now - (w.log_dir / "progress").stat().st_mtime
+            except FileNotFoundError:
+                continue  # the script does not report progress: nothing to judge
+            if age > self.config.hang_timeout_s:
+                silent[w.rank] = age
+        if not silent:
+            return
+        alive = [w for w in self.group.workers if w.proc.poll() is None]
+        stacks = {w.rank: capture_stacks(w) for w in alive}
+        # Ranks waiting in a collective are victims of the one stuck elsewhere.
+        own = [r for r in silent if not _in_collective(stacks.get(r, ""))]
+        blamed = max(own or list(silent), key=lambda r: silent[r])
+        w = next(x for x in alive if x.rank == blamed)
+        hang_dir = self.config.run_dir / "hangs"
+        hang_dir.mkdir(parents=True, exist_ok=True)
+        path = hang_dir / f"round_{self.running}_rank_{blamed}.txt"
+        path.write_text("".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(stacks.items())))
+        log.error("rank %d made no progress for %.1fs: stacks in %s; treating it as failed", blamed, silent[blamed], path)
+        self.events.emit("hang_detected", rank=blamed, pid=w.proc.pid, silent_s=round(silent[blamed], 2),
+                         silent_ranks=sorted(silent), stacks_file=str(path), stacks=stacks.get(blamed, "")[-20000:])
+        w.note = f"hang: no progress for {silent[blamed]:.1f}s (stacks: {path})"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        w.proc.wait()
+
     def _warm(self, env: Mapping[str, str], wdir: Path, rank: int, local_rank: int) -> Worker | None:
         """A warm spare for ``rank``, or None (then the worker is started fresh)."""
         assert self.pool is not None
@@ -317,6 +360,8 @@ class ElasticAgent:
 
     def _check_workers(self) -> int | None:
         assert self.group is not None and self.running is not None
+        if self.config.hang_timeout_s > 0:
+            self._detect_hangs()
         results = self.group.poll()
         failed = [r for r in results if r.returncode != 0]
         if failed:
@@ -419,6 +464,10 @@ class ElasticAgent:
         if productive:
             self._productive_s += self.clock.monotonic() - self._run_started
         self.running = None
+
+
+def _in_collective(stack: str) -> bool:
+    return any(m in stack for m in ("distributed_c10d", "all_reduce", "barrier", "broadcast", "all_gather"))
 
 
 def _describe_cause(cause: dict[str, Any]) -> str:

@@ -74,6 +74,8 @@ class Worker:
     error_file: Path
     result: WorkerResult | None = None
     files: list[IO[bytes]] = field(default_factory=list)
+    note: str = ""
+    """Why the agent ended this worker itself (e.g. a hang), for the root cause."""
 
 
 def build_command(
@@ -330,6 +332,10 @@ def describe_failure(w: Worker, result: WorkerResult) -> dict[str, Any]:
         "traceback": "",
         "log_dir": str(w.log_dir),
     }
+    if w.note:
+        cause["message"] = w.note
+        cause["traceback"] = _tail(w.log_dir / "stderr.log")
+        return cause
     parsed = read_error_file(w.error_file)
     if parsed is not None:
         cause.update(parsed)
@@ -342,6 +348,37 @@ def describe_failure(w: Worker, result: WorkerResult) -> dict[str, Any]:
         else f"exited with code {result.exit_code}"
     )
     return cause
+
+
+def capture_stacks(w: Worker, timeout_s: float = 10.0) -> str:
+    """Python stacks of a live worker: ``py-spy dump`` when installed, else the
+    faulthandler dump that ``flexrun.train`` registers on SIGUSR2."""
+    import shutil
+
+    pyspy = shutil.which("py-spy")
+    if pyspy is not None:
+        try:
+            res = subprocess.run([pyspy, "dump", "--pid", str(w.proc.pid)], capture_output=True,
+                                 text=True, timeout=timeout_s)
+            if res.returncode == 0 and res.stdout.strip():
+                return res.stdout
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # fall back to the worker's own faulthandler
+    stack_file = w.log_dir / "stacks.txt"
+    before = stack_file.stat().st_size if stack_file.exists() else 0
+    try:
+        os.kill(w.proc.pid, signal.SIGUSR2)
+    except ProcessLookupError:
+        return ""
+    deadline = time.monotonic() + min(timeout_s, 3.0)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if stack_file.exists() and stack_file.stat().st_size > before:
+            time.sleep(0.2)  # let the dump finish
+            with stack_file.open() as fh:
+                fh.seek(before)
+                return fh.read()
+    return "(no stacks: py-spy is not installed and the worker did not answer SIGUSR2)"
 
 
 def read_error_file(path: Path) -> dict[str, str] | None:

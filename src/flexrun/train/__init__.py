@@ -14,6 +14,7 @@ from flexrun.train.context import TrainContext, current, init, shutdown
 from flexrun.train.env import WorkerEnv, read_env
 from flexrun.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flexrun.train.preempt import PreemptionGuard
+from flexrun.train.progress import install_stack_dump, report_progress
 from flexrun.train.sampler import ElasticSampler
 from flexrun.train.sharded import ShardedCheckpointer
 
@@ -31,7 +32,10 @@ __all__ = [
     "TrainContext",
     "WorkerEnv",
     "current",
+    "report_progress",
     "init",
     "read_env",
     "shutdown",
 ]
+
+install_stack_dump()
