@@ -9,9 +9,10 @@ import logging
 
 from flexrun.agent.agent import ElasticAgent
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
-from flexrun.errors import ConfigError, StoreUnavailable
+from flexrun.errors import StoreUnavailable
 from flexrun.observe.events import EventLog
 from flexrun.store.api import Store
+from flexrun.store.factory import connect
 from flexrun.store.tcp import TcpStore
 
 log = logging.getLogger("flexrun.agent")
@@ -27,14 +28,7 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
         ConfigError: the backend is not available in this installation.
     """
     if settings.backend in BACKENDS_ETCD:
-        try:
-            from flexrun.store import etcd
-        except ImportError as exc:
-            raise ConfigError(
-                f"--rdzv-backend {settings.backend}: the etcd backend is not available in this "
-                "installation (pip install 'flexrun[etcd]')"
-            ) from exc
-        return etcd.EtcdStore.from_settings(settings), None
+        return connect(settings), None
     from flexrun.store.tcp import TcpStoreServer
 
     server: TcpStoreServer | None = None
@@ -50,8 +44,7 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
             except StoreUnavailable:
                 # Someone (a `flexrun store`, or another agent on this host) already serves it.
                 server = None
-    client = TcpStore(host, port, connect_timeout_s=settings.connect_timeout_s)
-    return client, server
+    return connect(settings, (host, port)), server
 
 
 def launch(config: RunConfig) -> int:

@@ -292,18 +292,6 @@ def open_status_store(settings: Any) -> Store:
         StoreUnavailable: the endpoint does not answer within the connect timeout.
         ConfigError: the etcd backend is not installed.
     """
-    from flexrun.config import BACKENDS_ETCD
+    from flexrun.store.factory import connect
 
-    if settings.backend in BACKENDS_ETCD:
-        try:
-            from flexrun.store.etcd import EtcdStore
-        except ImportError as exc:
-            raise ConfigError(
-                f"--rdzv-backend {settings.backend}: the etcd backend is not available in this "
-                "installation (pip install 'flexrun[etcd]')"
-            ) from exc
-        return EtcdStore.from_settings(settings)
-    from flexrun.store.tcp import TcpStore
-
-    host, port = settings.endpoints[0]
-    return TcpStore(host, port, connect_timeout_s=settings.connect_timeout_s)
+    return connect(settings)
