@@ -95,8 +95,14 @@ class ElasticAgent:
             if store_addr is None:
                 raise ConfigError("--mode live needs the tcp store")
             self.live = LiveSupervisor(
-                config, self.rdzv, store, store_addr, self._command,
-                events=events, warm_spares=config.warm_spares, clock=clock,
+                config,
+                self.rdzv,
+                store,
+                store_addr,
+                self._command,
+                events=events,
+                warm_spares=config.warm_spares,
+                clock=clock,
             )
 
     # -- entry point ------------------------------------------------------------------------
@@ -190,8 +196,10 @@ class ElasticAgent:
                 return outcome
             if self._pending_failure is not None:
                 return None
-        if self.pool is not None and self._runs and (
-            self.group is None or self.clock.monotonic() - self._run_started >= SPARE_DELAY_S
+        if (
+            self.pool is not None
+            and self._runs
+            and (self.group is None or self.clock.monotonic() - self._run_started >= SPARE_DELAY_S)
         ):
             self.pool.fill()
         action = self.rdzv.step(self.running)
@@ -218,7 +226,11 @@ class ElasticAgent:
         assert self.live is not None
         self.events.round = rnd.number
         if self.live.active:
-            log.info("round %d (%s): live workers carry on; publishing the new membership", rnd.number, rnd.reason)
+            log.info(
+                "round %d (%s): live workers carry on; publishing the new membership",
+                rnd.number,
+                rnd.reason,
+            )
             self.live.on_round(rnd)
         else:
             self.live.start(rnd)
@@ -226,8 +238,13 @@ class ElasticAgent:
             self._run_started = self.clock.monotonic()
         self.running = rnd.number
         self.events.emit(
-            "rendezvous_completed", round=rnd.number, members=rnd.member_ids, world_size=rnd.world_size(),
-            group_rank=rnd.group_rank(self.me.node_id), reason=rnd.reason, mode="live",
+            "rendezvous_completed",
+            round=rnd.number,
+            members=rnd.member_ids,
+            world_size=rnd.world_size(),
+            group_rank=rnd.group_rank(self.me.node_id),
+            reason=rnd.reason,
+            mode="live",
         )
 
     def _on_outage(self, exc: StoreUnavailable) -> None:
@@ -339,24 +356,48 @@ class ElasticAgent:
         hang_dir = self.config.run_dir / "hangs"
         hang_dir.mkdir(parents=True, exist_ok=True)
         path = hang_dir / f"round_{self.running}_rank_{blamed}.txt"
-        path.write_text("".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(stacks.items())))
-        log.error("rank %d made no progress for %.1fs: stacks in %s; treating it as failed", blamed, silent[blamed], path)
-        self.events.emit("hang_detected", rank=blamed, pid=w.proc.pid, silent_s=round(silent[blamed], 2),
-                         silent_ranks=sorted(silent), stacks_file=str(path), stacks=stacks.get(blamed, "")[-20000:])
+        path.write_text(
+            "".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(stacks.items()))
+        )
+        log.error(
+            "rank %d made no progress for %.1fs: stacks in %s; treating it as failed",
+            blamed,
+            silent[blamed],
+            path,
+        )
+        self.events.emit(
+            "hang_detected",
+            rank=blamed,
+            pid=w.proc.pid,
+            silent_s=round(silent[blamed], 2),
+            silent_ranks=sorted(silent),
+            stacks_file=str(path),
+            stacks=stacks.get(blamed, "")[-20000:],
+        )
         w.note = f"hang: no progress for {silent[blamed]:.1f}s (stacks: {path})"
         with contextlib.suppress(ProcessLookupError):
             os.killpg(w.proc.pid, signal.SIGKILL)
         w.proc.wait()
 
-    def _warm(self, env: Mapping[str, str], wdir: Path, rank: int, local_rank: int) -> Worker | None:
+    def _warm(
+        self, env: Mapping[str, str], wdir: Path, rank: int, local_rank: int
+    ) -> Worker | None:
         """A warm spare for ``rank``, or None (then the worker is started fresh)."""
         assert self.pool is not None
         w = self.pool.take()
         if w is None:
             return None
         c = self.config
-        return assign(w, env=env, entry=c.entrypoint, args=c.args, module=c.module, rank=rank,
-                      local_rank=local_rank, log_dir=wdir)
+        return assign(
+            w,
+            env=env,
+            entry=c.entrypoint,
+            args=c.args,
+            module=c.module,
+            rank=rank,
+            local_rank=local_rank,
+            log_dir=wdir,
+        )
 
     def _check_workers(self) -> int | None:
         assert self.group is not None and self.running is not None
@@ -424,9 +465,11 @@ class ElasticAgent:
         this node count the failure against --max-restarts.
         """
         settings = self.config.rendezvous
+        # Twice the timeout: the lost peer may have refreshed its keep-alive just before it
+        # died, and a store may round leases up (etcd counts whole seconds).
         deadline = (
             self.clock.monotonic()
-            + settings.heartbeat_timeout_s
+            + 2 * settings.heartbeat_timeout_s
             + 2 * settings.heartbeat_interval_s
         )
         while self.clock.monotonic() < deadline:
@@ -467,7 +510,9 @@ class ElasticAgent:
 
 
 def _in_collective(stack: str) -> bool:
-    return any(m in stack for m in ("distributed_c10d", "all_reduce", "barrier", "broadcast", "all_gather"))
+    return any(
+        m in stack for m in ("distributed_c10d", "all_reduce", "barrier", "broadcast", "all_gather")
+    )
 
 
 def _describe_cause(cause: dict[str, Any]) -> str:
