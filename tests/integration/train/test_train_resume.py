@@ -61,13 +61,9 @@ def test_kill_9_at_random_steps_three_times_resumes_bitwise_identically(
     for attempt in range(3):
         log = tmp_path / f"samples{attempt}"
         g = launcher.start(2, [*common, *ckpt, "--sample-log", str(log)], restart_count=attempt)
-        resume = read_jsonl(Path(f"{log}.rank0")) if Path(f"{log}.rank0").exists() else []
-        wait_until(lambda log=log: Path(f"{log}.rank0").exists(), 120, "worker start")
-        resume = (
-            next(r["resume"] for r in read_jsonl(Path(f"{log}.rank0")) if "resume" in r)
-            if True
-            else resume
-        )
+        # The file appears (opened for append) before its first line: wait for the line.
+        wait_until(lambda log=log: read_jsonl(Path(f"{log}.rank0")), 120, "worker start")
+        resume = next(r["resume"] for r in read_jsonl(Path(f"{log}.rank0")) if "resume" in r)
         target = rng.randint(resume + 2, min(resume + 15, steps - 3))
         wait_until(
             lambda log=log, t=target: _last_step(Path(f"{log}.rank0")) >= t, 120, f"step {target}"
