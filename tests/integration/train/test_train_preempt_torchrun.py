@@ -27,7 +27,10 @@ def test_sigterm_to_one_rank_stops_all_at_a_step_boundary_with_final_checkpoint_
     args = ["--steps", "100000", "--ckpt-every", "100000", "--step-sleep", "0.02"]
     args += ["--ckpt-dir", str(ck), "--run-dir", str(run_dir), "--sample-log", str(log)]
     g = launcher.start(2, args)
-    wait_until(lambda: _last_step(Path(f"{log}.rank1")) >= 10, 120, "10 steps")
+    try:
+        wait_until(lambda: _last_step(Path(f"{log}.rank1")) >= 10, 120, "10 steps")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{g.output()}") from None
     g.procs[1].send_signal(signal.SIGTERM)  # only one rank is told; all must agree
     assert g.wait(120) == [143, 143], g.output()
 
