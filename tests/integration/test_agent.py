@@ -68,7 +68,7 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
                 str(procs.tmp / f"run{i}"),
                 str(DDP_STEPS),
                 "--steps",
-                "12",
+                "12" if i % 10 != 9 else "400",
                 "--step-time",
                 "0.05",
                 "--ckpt",
@@ -84,16 +84,31 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
         wait_for(
             lambda p=progress: any(r["step"] >= 1 for r in read_progress(p)), 60, "first steps"
         )
+        warm = i % 10 == 9  # twice: kill once the warm pool is ready, so spares take over
+        if warm:
+            spares_dir = procs.tmp / f"run{i}" / "logs" / "spares"
+            wait_for(lambda d=spares_dir: len(list(d.glob("*.ready"))) >= 4, 60, "4 ready spares")
+            spare_pids = {
+                p.pid
+                for p in descendants(agent.pid)
+                if "flexrun.train.spare" in " ".join(p.cmdline())
+            }
         victim = rng.choice(pids)
         os.kill(victim, signal.SIGKILL)
         assert agent.wait(timeout=120) == 0, f"iteration {i}: {procs.stderr(name)[-3000:]}"
         rows = read_progress(progress)
+        if warm:
+            restarted = {r["pid"] for r in rows if r["attempt"] == max(x["attempt"] for x in rows)}
+            assert restarted <= spare_pids, (
+                f"iteration {i}: the restart did not use the warm spares"
+            )
         last_attempt = max(r["attempt"] for r in rows)
         assert last_attempt != min(r["attempt"] for r in rows), (
             f"iteration {i}: no restart happened"
         )
         final = {(r["rank"], r["step"]) for r in rows if r["attempt"] == last_attempt}
-        assert {(r, 11) for r in range(4)} <= final, f"iteration {i}: did not complete"
+        last_step = 11 if i % 10 != 9 else 399
+        assert {(r, last_step) for r in range(4)} <= final, f"iteration {i}: did not complete"
         assert alive_pids(pids) == []
 
 
@@ -258,12 +273,29 @@ def test_module_and_no_python_entrypoints(procs: Procs) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_worker_that_sleeps_forever_in_a_step_is_caught_with_its_stack_and_the_job_recovers(procs: Procs) -> None:
+def test_a_worker_that_sleeps_forever_in_a_step_is_caught_with_its_stack_and_the_job_recovers(
+    procs: Procs,
+) -> None:
     run_dir = procs.tmp / "run"
     script = DDP_STEPS.parent / "hang_steps.py"
     agent = procs.start(
-        ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-timeout", "3",
-         "--warm-spares", "0", "--run-dir", str(run_dir), str(script), "--marker", str(procs.tmp / "hung-once")],
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--hang-timeout",
+            "3",
+            "--warm-spares",
+            "0",
+            "--run-dir",
+            str(run_dir),
+            str(script),
+            "--marker",
+            str(procs.tmp / "hung-once"),
+        ],
         name="agent",
     )
     assert agent.wait(timeout=150) == 0, procs.stderr("agent")[-3000:]

@@ -20,10 +20,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.agent.live import LiveSupervisor
 from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
 from flexrun.agent.workers import Worker, WorkerGroup, WorkerResult, build_command, capture_stacks
@@ -33,6 +32,9 @@ from flexrun.observe.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
 from flexrun.store.api import Store
+
+if TYPE_CHECKING:
+    from flexrun.agent.live import LiveSupervisor
 
 log = logging.getLogger("flexrun.agent")
 
@@ -61,6 +63,7 @@ class ElasticAgent:
         events: EventLog,
         clock: Clock = SYSTEM_CLOCK,
         store_addr: tuple[str, int] | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
         self.config = config
         self.events = events
@@ -86,14 +89,15 @@ class ElasticAgent:
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
-        self.pool: WarmPool | None = None
-        if config.mode == "restart" and config.warm_spares > 0 and not config.no_python:
-            log_root = config.log_dir or (config.run_dir / "logs")
-            self.pool = WarmPool(config.warm_spares, config.environ, log_root / "spares")
+        self.pool: WarmPool | None = pool if pool is not None else restart_pool(config)
         self.live: LiveSupervisor | None = None
         if config.mode == "live":
             if store_addr is None:
                 raise ConfigError("--mode live needs the tcp store")
+            # Imported here: live mode pulls in torch, which restart mode's agent avoids
+            # until it needs a store (so a warm pool can start first).
+            from flexrun.agent.live import LiveSupervisor
+
             self.live = LiveSupervisor(
                 config,
                 self.rdzv,
@@ -507,6 +511,14 @@ class ElasticAgent:
         if productive:
             self._productive_s += self.clock.monotonic() - self._run_started
         self.running = None
+
+
+def restart_pool(config: RunConfig) -> WarmPool | None:
+    """The warm pool of a restart-mode agent (None when disabled or not applicable)."""
+    if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
+        return None
+    log_root = config.log_dir or (config.run_dir / "logs")
+    return WarmPool(config.warm_spares, config.environ, log_root / "spares")
 
 
 def _in_collective(stack: str) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from flexrun.agent.agent import ElasticAgent
+from flexrun.agent.agent import ElasticAgent, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import StoreUnavailable
 from flexrun.observe.events import EventLog
@@ -51,7 +51,18 @@ def launch(config: RunConfig) -> int:
     """Run this node's agent to completion and return the process exit code."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
-    store, server = open_store(config.store)
+    pool = restart_pool(config)
+    if pool is not None and config.store.endpoints:
+        # A node of a multi-node job (likely joining a running one): start its warm
+        # interpreters now, so that they import torch while this agent connects and meets
+        # the others, and its first workers start warm.
+        pool.fill()
+    try:
+        store, server = open_store(config.store)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
     metrics = follower = None
     sampler = None
     try:
@@ -71,9 +82,11 @@ def launch(config: RunConfig) -> int:
             )
             sampler.start()
         addr = (store.host, store.port) if isinstance(store, TcpStore) else None
-        agent = ElasticAgent(config, store, events=events, store_addr=addr)
+        agent = ElasticAgent(config, store, events=events, store_addr=addr, pool=pool)
         return agent.run()
     finally:
+        if pool is not None:
+            pool.close()
         if sampler is not None:
             sampler.close()
         if follower is not None:
