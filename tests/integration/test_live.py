@@ -131,7 +131,7 @@ def test_kill_9_of_a_worker_keeps_survivors_and_a_warm_spare_keeps_the_run_bitwi
 def test_without_a_spare_survivors_shrink_at_once_and_the_replacement_joins_at_a_step_boundary(
     procs: Procs,
 ) -> None:
-    steps = 80
+    steps = 300  # long enough (15 s after the kill) for a cold replacement to join, even on a busy machine
     reference = _reference(procs, steps)
     agent, run = _run(procs, "shrink", steps=steps, spares=0)
     pids = _workers(agent.pid, 4)
