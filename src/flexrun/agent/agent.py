@@ -44,6 +44,8 @@ RESTART_GRACE_S = 2.0
 # Warm spares are started this long after a round's workers, so that they do not compete
 # with the workers' own start-up for CPU.
 SPARE_DELAY_S = 3.0
+# A spare still importing torch will be ready before a process started now: wait this long.
+SPARE_BOOT_WAIT_S = 10.0
 
 
 class _Terminated(BaseException):
@@ -388,7 +390,7 @@ class ElasticAgent:
     ) -> Worker | None:
         """A warm spare for ``rank``, or None (then the worker is started fresh)."""
         assert self.pool is not None
-        w = self.pool.take()
+        w = self.pool.take(wait_s=SPARE_BOOT_WAIT_S)
         if w is None:
             return None
         c = self.config

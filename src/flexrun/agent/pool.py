@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -51,13 +52,25 @@ class WarmPool:
             w = spawn_worker(cmd, env, self.root / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE)
             self.spares.append((w, ready))
 
-    def take(self) -> Worker | None:
-        """A spare that has finished its imports, or None."""
-        for i, (w, ready) in enumerate(self.spares):
-            if w.proc.poll() is None and ready.exists():
-                del self.spares[i]
-                return w
-        return None
+    def take(self, wait_s: float = 0.0) -> Worker | None:
+        """A spare that has finished its imports, or None.
+
+        With ``wait_s``, wait that long for a spare that is still importing: it is ready
+        sooner than a process started now would be.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            booting = False
+            for i, (w, ready) in enumerate(self.spares):
+                if w.proc.poll() is not None:
+                    continue
+                if ready.exists():
+                    del self.spares[i]
+                    return w
+                booting = True
+            if not booting or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def close(self) -> None:
         for w, _ in self.spares:
