@@ -37,6 +37,8 @@ from flexrun.store.api import Entry
 _REV_KEY = "__flexrun/rev"
 _EV_PREFIX = "__flexrun/ev/"
 EVENT_WINDOW = 1024
+IN_FLIGHT_S = 1.0
+_RECENT = 16  # how many of the newest revisions may still be in flight
 _TOMBSTONE = b"x"
 
 
@@ -134,6 +136,8 @@ class TcpStore:
         self._seen_lock = threading.Lock()
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
+        # revision -> when this client first saw it taken but not yet written
+        self._in_flight: dict[int, float] = {}
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
@@ -259,7 +263,31 @@ class TcpStore:
         self._notify(rev, key)
 
     def revision(self) -> int:
-        return int(self._call(self._c().add, _REV_KEY, 0))
+        """The highest revision below which every write has landed.
+
+        The counter may be ahead of the data: a writer takes its revision first and its
+        write lands a moment later. State read "at" the raw counter could miss that write,
+        and a watch from there would skip it; so report the revision just below the oldest
+        write still in flight (one abandoned for IN_FLIGHT_S by a dead writer is ignored).
+        """
+        c = self._c()
+        current = int(self._call(c.add, _REV_KEY, 0))
+        lo = max(1, current - _RECENT + 1)
+        names = [f"{_EV_PREFIX}{r}" for r in range(lo, current + 1)]
+        if not names or self._call(c.check, names):
+            return current
+        now = self._clock.monotonic()
+        for r, name in zip(range(lo, current + 1), names, strict=True):
+            if self._call(c.check, [name]):
+                continue
+            with self._seen_lock:
+                first = self._in_flight.setdefault(r, now)
+                if len(self._in_flight) > 4 * _RECENT:
+                    for old in sorted(self._in_flight)[: 2 * _RECENT]:
+                        del self._in_flight[old]
+            if now - first < IN_FLIGHT_S:
+                return r - 1
+        return current
 
     def wait_for_change(
         self, prefix: str, since_revision: int, timeout_s: float
@@ -267,24 +295,32 @@ class TcpStore:
         deadline = self._clock.monotonic() + timeout_s
         seen = since_revision
         c = self._c()
+        # A revision is taken (``add``) before its write lands and its event key is set:
+        # until then it is in flight, and skipping it would miss that write. A writer that
+        # died in between never sets it: after IN_FLIGHT_S it counts as abandoned.
+        in_flight: dict[int, float] = {}
         while True:
             current = self.revision()
-            if current > seen:
-                lo = max(seen + 1, current - EVENT_WINDOW + 1)
-                if lo > seen + 1:
-                    return True, current  # too far behind to tell: report a change
-                names = [f"{_EV_PREFIX}{r}" for r in range(lo, current + 1)]
-                for name in names:
-                    if self._call(c.check, [name]):
-                        key = bytes(self._call(c.get, name)).decode()
-                        if key and key.startswith(prefix):
-                            return True, current
-                seen = current
+            if current - seen > EVENT_WINDOW:
+                return True, current  # too far behind to tell: report a change
+            for r in range(seen + 1, current + 1):
+                name = f"{_EV_PREFIX}{r}"
+                if self._call(c.check, [name]):
+                    key = bytes(self._call(c.get, name)).decode()
+                    if key and key.startswith(prefix):
+                        return True, current
+                    seen = r
+                    continue
+                first = in_flight.setdefault(r, self._clock.monotonic())
+                if self._clock.monotonic() - first < IN_FLIGHT_S:
+                    break
+                seen = r  # abandoned by a writer that died between add and notify
             remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
                 return False, seen
+            step = min(remaining, 5.0 if seen >= current else IN_FLIGHT_S)
             try:
-                c.wait([f"{_EV_PREFIX}{seen + 1}"], timedelta(seconds=min(remaining, 5.0)))
+                c.wait([f"{_EV_PREFIX}{seen + 1}"], timedelta(seconds=step))
             except RuntimeError as exc:
                 if type(exc).__name__ == "DistNetworkError" or "timeout" not in str(exc).lower():
                     raise self._broken(exc) from exc
