@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from flexrun.errors import ConfigError, FlexrunError, SpecError
+from flexrun._cmdutil import standalone_main, write_output
+from flexrun.errors import SpecError
 
 
 def render_command(args: argparse.Namespace) -> int:
@@ -27,13 +27,7 @@ def render_command(args: argparse.Namespace) -> int:
     from flexrun.k8s.spec import load_job_spec
 
     text = to_yaml(render(load_job_spec(args.job)))
-    if args.output in (None, "-"):
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"-o {args.output}: cannot write ({exc.strerror})") from exc
+    write_output(text, args.output)
     return 0
 
 
@@ -109,14 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (``python -m flexrun.k8s.commands``)."""
-    parser = argparse.ArgumentParser(prog="flexrun")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except FlexrunError as exc:
-        print(f"flexrun: error: {exc}", file=sys.stderr)
-        return 2
+    return standalone_main(add_parser, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import importlib
 import sys
 from typing import Any
 
-from flexrun.errors import ConfigError, FlexrunError
+from flexrun._cmdutil import standalone_main
+from flexrun.errors import ConfigError
 
 
 def _need(module: str, package: str) -> Any:
@@ -166,14 +167,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (``python -m flexrun.observe.commands``)."""
-    parser = argparse.ArgumentParser(prog="flexrun")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except FlexrunError as exc:
-        print(f"flexrun: error: {exc}", file=sys.stderr)
-        return 2
+    return standalone_main(add_parser, argv)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ import argparse
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
+from flexrun._cmdutil import write_output
 from flexrun.errors import ConfigError
 
 
@@ -102,13 +102,7 @@ def render_command(args: argparse.Namespace) -> int:
     from flexrun.pipeline.spec import load_pipeline
 
     text = to_yaml(render_workflow(load_pipeline(args.pipeline)))
-    if args.output in (None, "-"):
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"-o {args.output}: cannot write ({exc.strerror})") from exc
+    write_output(text, args.output)
     return 0
 
 
