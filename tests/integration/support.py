@@ -50,6 +50,11 @@ def read_progress(path: Path) -> list[dict]:
     return out
 
 
+def worlds_after(progress: Path, ts: float) -> set[int]:
+    """World sizes seen in progress lines written after ``ts``."""
+    return {r["world"] for r in read_progress(progress) if r["ts"] > ts}
+
+
 def read_events(run_dir: Path) -> list[dict]:
     p = run_dir / "events.jsonl"
     if not p.exists():

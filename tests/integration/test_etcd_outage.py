@@ -7,14 +7,10 @@ import signal
 import time
 
 import pytest
-from support import Procs, read_events, read_progress, wait_for
+from support import Procs, read_events, read_progress, wait_for, worlds_after
 from test_etcd_rendezvous import _agent, etcd1  # noqa: F401  (fixture)
 
 from flexrun.testing.etcd_server import EtcdCluster
-
-
-def _worlds_after(progress, ts: float) -> set[int]:  # type: ignore[no-untyped-def]
-    return {r["world"] for r in read_progress(progress) if r["ts"] > ts}
 
 
 @pytest.mark.timeout(300)
@@ -41,7 +37,7 @@ def test_training_survives_a_10s_etcd_outage_and_a_node_lost_meanwhile_is_handle
     etcd1.wait_ready()
     t_up = time.time()
     wait_for(
-        lambda: 1 in _worlds_after(progress, t_up),
+        lambda: 1 in worlds_after(progress, t_up),
         90,
         "the survivor to re-form alone once etcd is back",
     )

@@ -9,7 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+from support import (
+    DDP_STEPS,
+    Procs,
+    alive_pids,
+    descendants,
+    read_events,
+    read_progress,
+    wait_for,
+    worlds_after,
+)
 
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
 
@@ -81,10 +90,6 @@ def _agent(procs: Procs, cluster: EtcdCluster, name: str, progress: Path, first:
     )
 
 
-def _worlds_after(progress: Path, ts: float) -> set[int]:
-    return {r["world"] for r in read_progress(progress) if r["ts"] > ts}
-
-
 @pytest.mark.timeout(240)
 def test_kill_9_of_one_agent_on_etcd_leaves_the_survivor_alone_then_a_new_agent_grows_it_back(
     procs: Procs, etcd1: EtcdCluster
@@ -102,7 +107,7 @@ def test_kill_9_of_one_agent_on_etcd_leaves_the_survivor_alone_then_a_new_agent_
     t_kill = time.time()
     # The lease TTL (heartbeat_timeout=3) plus a restart; the bound is generous, not a speed claim.
     wait_for(
-        lambda: 1 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 1"
+        lambda: 1 in worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 1"
     )
     assert b.poll() is None
     wait_for(lambda: alive_pids(tree_a) == [], 10, "the lost node's workers to be gone")
@@ -111,7 +116,7 @@ def test_kill_9_of_one_agent_on_etcd_leaves_the_survivor_alone_then_a_new_agent_
 
     t_join = time.time()
     c = _agent(procs, etcd1, "c", progress)
-    wait_for(lambda: 2 in _worlds_after(progress, t_join), 90, "the job to grow back to 2 nodes")
+    wait_for(lambda: 2 in worlds_after(progress, t_join), 90, "the job to grow back to 2 nodes")
     assert b.poll() is None and c.poll() is None
     kinds = [e["event"] for e in read_events(procs.tmp / "run-b")]
     kinds_c = [e["event"] for e in read_events(procs.tmp / "run-c")]

@@ -15,6 +15,7 @@ from support import (
     read_events,
     read_progress,
     wait_for,
+    worlds_after,
 )
 
 HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
@@ -72,10 +73,6 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def _worlds_after(progress, ts: float) -> set[int]:  # type: ignore[no-untyped-def]
-    return {r["world"] for r in read_progress(progress) if r["ts"] > ts}
-
-
 @pytest.mark.timeout(240)
 def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it_back(
     procs: Procs, store_server: tuple[str, int]
@@ -87,7 +84,9 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
     wait_for(
         lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)"
     )
-    wait_for(lambda: _scrape(metrics_port).get("flexrun_world_size") == 4.0, 30, "metrics: world size 4")
+    wait_for(
+        lambda: _scrape(metrics_port).get("flexrun_world_size") == 4.0, 30, "metrics: world size 4"
+    )
 
     tree_a = [p.pid for p in descendants(a.pid)]
     os.killpg(a.pid, signal.SIGKILL)  # the agent and its workers: a lost node
@@ -96,15 +95,19 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
 
     t_kill = time.time()
     wait_for(
-        lambda: 2 in _worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2"
+        lambda: 2 in worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2"
     )
     assert b.poll() is None
-    wait_for(lambda: _scrape(metrics_port).get("flexrun_world_size") == 2.0, 30, "metrics to show world size 2")
+    wait_for(
+        lambda: _scrape(metrics_port).get("flexrun_world_size") == 2.0,
+        30,
+        "metrics to show world size 2",
+    )
     wait_for(lambda: alive_pids(tree_a) == [], 10, "the lost node's workers to be gone")
 
     t_join = time.time()
     c = _agent(procs, store_server, "c", progress)
-    wait_for(lambda: 4 in _worlds_after(progress, t_join), 90, "the job to grow back to 2 nodes")
+    wait_for(lambda: 4 in worlds_after(progress, t_join), 90, "the job to grow back to 2 nodes")
     assert b.poll() is None and c.poll() is None
     events = read_events(procs.tmp / "run-b")
     kinds = [e["event"] for e in events]
@@ -131,7 +134,7 @@ def test_a_stopped_node_is_removed_within_the_heartbeat_timeout(
     os.killpg(a.pid, signal.SIGSTOP)  # agent and workers frozen: alive but silent
     t_stop = time.time()
     wait_for(
-        lambda: 2 in _worlds_after(progress, t_stop + 0.5),
+        lambda: 2 in worlds_after(progress, t_stop + 0.5),
         60,
         "survivors re-formed without the stopped node",
     )
@@ -151,7 +154,6 @@ def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_st
     procs: Procs,
 ) -> None:
     import time
-
 
     port = free_port()
     store = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store1")
@@ -187,7 +189,7 @@ def test_a_job_keeps_training_while_its_store_is_down_and_rejoins_a_restarted_st
     t_join = time.time()
     _agent(procs, ("127.0.0.1", port), "b", progress)
     wait_for(
-        lambda: 4 in _worlds_after(progress, t_join),
+        lambda: 4 in worlds_after(progress, t_join),
         90,
         "the job to grow after the store came back",
     )
