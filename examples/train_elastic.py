@@ -11,6 +11,12 @@ again with the same ``--ckpt-dir``: it resumes from the newest checkpoint that v
 consumes every sample of every epoch exactly once, and keeps the global batch constant.
 SIGTERM (a preemption) makes every rank stop at the next step boundary, save a final
 checkpoint and exit 143.
+
+Every rank logs its loss per sample; every ``--metrics-every`` steps the ranks' values are
+averaged (weighted by samples, one small all-reduce) and rank 0 writes a ``train_metrics``
+event (step, steps/s, samples/s, loss) to the run directory's ``events.jsonl``, which
+``flexrun run --metrics-port`` and ``flexrun report`` read, and to TensorBoard in
+``<run dir>/tensorboard`` when ``tensorboard`` is installed.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--sync-ckpt", action="store_true", help="persist in the foreground")
     p.add_argument("--run-dir", default=None, help="events.jsonl goes here (else FLEXRUN_RUN_DIR)")
+    p.add_argument("--metrics-every", type=int, default=10, help="reduce/write metrics every N")
     p.add_argument("--sample-log", default=None, help="append consumed sample ids here (JSONL)")
     p.add_argument("--final-state", default=None, help="rank 0 writes final model+optim here")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (tests)")
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = ckpt.load()
     step = loaded.step if loaded else 0
     guard = ft.PreemptionGuard(signals=(signal.SIGTERM, signal.SIGUSR1))
+    metrics = ft.MetricsLogger(every_steps=args.metrics_every, weight_by_samples=True)
 
     log = open(f"{args.sample_log}.rank{ctx.rank}", "a") if args.sample_log else None  # noqa: SIM115
     if log is not None:
@@ -106,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.is_main:
         print(f"rank0: world={ctx.world_size} round={ctx.round} start_step={step}", flush=True)
 
-    loss_sum, loss_n = 0.0, 0
     while step < args.steps:
         if sampler.exhausted:
             sampler.set_epoch(sampler.epoch + 1)
@@ -120,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for idx in loader:
             step_samples = sampler.step_samples()
             slices = plan.micro_slices(len(idx), step_samples)
+            step_loss = 0.0
             for i, sl in enumerate(slices):
                 last = i == len(slices) - 1
                 sync = contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
@@ -128,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = net(xs[part].to(ctx.device))
                     loss = F.cross_entropy(out, ys[part].to(ctx.device), reduction="sum")
                     (loss * plan.loss_scale(step_samples)).backward()
-                    loss_sum += float(loss.detach())
-                    loss_n += len(part)
+                    step_loss += float(loss.detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
             if log is not None:
@@ -138,20 +145,22 @@ def main(argv: list[str] | None = None) -> int:
                 log.flush()
             sampler.advance(step_samples)
             step += 1
+            rec = metrics.log(step, loss=step_loss / max(len(idx), 1), samples=len(idx))
             if step % args.ckpt_every == 0 or step == args.steps:
                 ckpt.save(step, extra={"epoch": sampler.epoch}, blocking=step == args.steps)
-            if ctx.is_main and step % 50 == 0:
+            if ctx.is_main and rec is not None and step % 50 == 0:
                 print(
-                    f"step {step} epoch {sampler.epoch} loss/sample {loss_sum / max(loss_n, 1):.4f}",
+                    f"step {step} epoch {sampler.epoch} loss/sample {rec['loss']:.4f} "
+                    f"steps/s {rec['steps_per_s']:.1f}",
                     flush=True,
                 )
-                loss_sum, loss_n = 0.0, 0
             if args.crash_at_step is not None and step == args.crash_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if guard.should_stop():
                 if step % args.ckpt_every != 0:
                     ckpt.save(step, extra={"epoch": sampler.epoch}, blocking=True)
                 ckpt.close()
+                metrics.close()
                 if ctx.is_main:
                     print(f"rank0: preempted at step {step}; checkpoint saved", flush=True)
                 ft.shutdown()
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if step >= args.steps or sampler.exhausted:
                 break
     ckpt.close()
+    metrics.close()
     if ctx.is_main and args.final_state:
         torch.save(
             {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, args.final_state

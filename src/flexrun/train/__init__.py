@@ -12,6 +12,7 @@ from flexrun.train.checkpoint import Checkpointer, Loaded, Stateful
 from flexrun.train.commit import FencedError, Manifest
 from flexrun.train.context import TrainContext, current, init, shutdown
 from flexrun.train.env import WorkerEnv, read_env
+from flexrun.train.metrics import MetricsLogger
 from flexrun.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flexrun.train.preempt import PreemptionGuard
 from flexrun.train.progress import install_stack_dump, report_progress
@@ -26,6 +27,7 @@ __all__ = [
     "FencedError",
     "Loaded",
     "Manifest",
+    "MetricsLogger",
     "PreemptionGuard",
     "ShardedCheckpointer",
     "Stateful",
