@@ -1,0 +1,117 @@
+"""Unit tests of the chaos schedule (pure, seeded) and of the invariant checker on
+synthetic step logs."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexrun.errors import ConfigError
+from flexrun.testing import invariants as inv
+from flexrun.testing.chaos import KINDS, make_schedule
+
+SAMPLES, G = 8, 4  # two steps per epoch
+
+
+def _line(step: int, rnd: int, rank: int, world: int, ids: list[int], ts: float) -> dict:
+    return {
+        "t0": ts - 0.1, "ts": ts, "round": rnd, "world": world, "rank": rank, "step": step,
+        "epoch": (step - 1) * G // SAMPLES, "ids": ids, "pid": 100 * rnd + rank,
+    }  # fmt: skip
+
+
+def _clean_run() -> list[dict]:
+    """4 steps at world 2; step 2 tried in round 0, then redone in round 1 after a failure."""
+    return [
+        _line(1, 0, 0, 2, [0, 1], 1.0), _line(1, 0, 1, 2, [2, 3], 1.0),
+        _line(2, 0, 0, 2, [4, 5], 2.0),  # rank 1 died: this attempt never committed
+        _line(2, 1, 0, 1, [4, 5, 6, 7], 5.0),
+        _line(3, 1, 0, 1, [3, 1, 0, 2], 6.0),
+        _line(4, 1, 0, 1, [7, 6, 5, 4], 7.0),
+    ]  # fmt: skip
+
+
+def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> None:
+    a = make_schedule(7, duration_s=300, interval_s=10)
+    assert a == make_schedule(7, duration_s=300, interval_s=10)
+    assert a != make_schedule(8, duration_s=300, interval_s=10)
+    assert 20 <= len(a) <= 45
+    assert all(f.kind in KINDS for f in a)
+    assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+    assert all(f.at_s < 300 for f in a)
+
+
+def test_a_schedule_uses_only_the_kinds_asked_for_and_rejects_unknown_ones() -> None:
+    s = make_schedule(1, duration_s=100, interval_s=5, kinds=("kill_worker",))
+    assert {f.kind for f in s} == {"kill_worker"}
+    with pytest.raises(ConfigError):
+        make_schedule(1, duration_s=100, interval_s=5, kinds=("unplug_datacenter",))
+    with pytest.raises(ConfigError):
+        make_schedule(1, duration_s=100, interval_s=0)
+
+
+def test_a_redone_step_counts_once_the_last_attempt_wins() -> None:
+    result = inv.CheckResult()
+    inv.check_exactly_once(_clean_run(), steps=4, samples=SAMPLES, global_batch=G, result=result)
+    inv.check_rounds(_clean_run(), result)
+    assert result.ok, result.violations
+    stats = inv.attempt_stats(_clean_run())
+    assert stats["steps_recomputed"] == 1 and stats["steps_attempted"] == 5
+
+
+def test_a_sample_consumed_twice_in_an_epoch_is_a_violation() -> None:
+    recs = _clean_run()
+    recs[-1] = _line(4, 1, 0, 1, [7, 6, 5, 5], 7.0)
+    result = inv.CheckResult()
+    inv.check_exactly_once(recs, steps=4, samples=SAMPLES, global_batch=G, result=result)
+    assert result.failed("exactly_once")
+    assert any("twice" in v.detail for v in result.violations)
+
+
+def test_a_missing_step_or_a_missing_rank_is_a_violation() -> None:
+    recs = [r for r in _clean_run() if r["step"] != 3]
+    result = inv.CheckResult()
+    inv.check_exactly_once(recs, steps=4, samples=SAMPLES, global_batch=G, result=result)
+    assert any("never committed" in v.detail for v in result.violations)
+    recs = [r for r in _clean_run() if not (r["step"] == 1 and r["rank"] == 1)]
+    result = inv.CheckResult()
+    inv.check_exactly_once(recs, steps=4, samples=SAMPLES, global_batch=G, result=result)
+    assert any("one line per rank" in v.detail for v in result.violations)
+
+
+def test_an_old_round_logging_after_a_newer_one_is_interleaving() -> None:
+    recs = [*_clean_run(), _line(3, 0, 1, 2, [9], 6.5)]
+    result = inv.CheckResult()
+    inv.check_rounds(recs, result)
+    assert result.failed("rounds_never_interleave")
+
+
+def test_weights_compare_bitwise_at_one_world_size_and_relatively_across_sizes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    ref = {"w": torch.ones(4, dtype=torch.float64)}
+    close = {"w": ref["w"] * (1 + 1e-9)}
+    torch.save(ref, tmp_path / "ref.pt")
+    torch.save(close, tmp_path / "close.pt")
+    same = inv.CheckResult()
+    inv.check_weights(tmp_path / "close.pt", tmp_path / "ref.pt", constant_world=True, result=same)
+    assert same.failed("final_weights")
+    resized = inv.CheckResult()
+    inv.check_weights(
+        tmp_path / "close.pt", tmp_path / "ref.pt", constant_world=False, result=resized
+    )
+    assert resized.ok
+
+
+def test_a_resume_behind_a_committed_checkpoint_is_a_lost_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    events = [{"event": "checkpoint_saved", "step": 20, "ts": 10.0}]
+    resumes = [{"resume": 10, "ts": 11.0, "pid": 5}]
+    result = inv.CheckResult()
+    inv.check_checkpoints(
+        str(tmp_path), corrupted=set(), events=events, resumes=resumes, result=result
+    )
+    assert any("lost checkpoint" in v.detail for v in result.violations)
+    result = inv.CheckResult()
+    inv.check_checkpoints(
+        str(tmp_path), corrupted={20}, events=events, resumes=resumes, result=result
+    )
+    assert not any("lost checkpoint" in v.detail for v in result.violations)
