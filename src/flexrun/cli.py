@@ -181,6 +181,7 @@ _EXTRA_COMMANDS: tuple[str, ...] = (
     "flexrun.k8s.commands",
     "flexrun.observe.commands",
     "flexrun.pipeline.commands",
+    "flexrun.testing.chaos_cmd",
 )
 
 
