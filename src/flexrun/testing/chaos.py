@@ -490,10 +490,11 @@ def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float 
     1 a plain process; else ``flexrun run --standalone`` with that many workers (a run
     that kept one world size must match it bitwise)."""
     launcher = [sys.executable]
-    if world > 1:
+    live = spec.launcher == "live"
+    if world > 1 or live:
         launcher += [
             "-m", "flexrun", "run", "--standalone", "--nproc-per-node", str(world),
-            "--mode", "restart",
+            "--mode", "live" if live else "restart", "--warm-spares", "0",
             "--run-dir", str(out.parent / "reference-run"),
         ]  # fmt: skip
     argv = [
@@ -501,6 +502,7 @@ def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float 
         "--steps", str(spec.steps), "--samples", str(spec.samples),
         "--global-batch", str(spec.global_batch), "--seed", str(spec.seed),
         "--log-dir", str(out.parent / "reference-steps"), "--final", str(out),
+        *(["--live"] if live else []),
     ]  # fmt: skip
     done = subprocess.run(argv, env=_env(), timeout=timeout_s, capture_output=True, cwd=out.parent)
     if done.returncode != 0:

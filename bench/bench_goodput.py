@@ -1,0 +1,104 @@
+"""Goodput under a stream of failures: flexrun (restart and live modes) vs torchrun, one run.
+
+Issue 9, item 3. The same workload (``flexrun.testing.chaos_workload``, float64 MLP,
+``--step-sleep`` making ~0.1 s steps, a checkpoint every ``--ckpt-every`` steps) and the
+same seeded schedule (``kill_worker`` about every ``--interval`` s for ``--duration`` s,
+counted from the first trained step) under:
+
+* flexrun restart mode: one ``flexrun run`` agent (``--nnodes 1:1``) on a standalone
+  ``flexrun store``, ``--nproc-per-node N``;
+* flexrun live mode: the same with ``--mode live`` (LiveLoop; warm spare by default);
+* torchrun ``--standalone --nproc-per-node N --max-restarts 1000`` with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+
+ETTR is computed one way for all three, from the workload's own step logs: the sum over
+committed steps (the last attempt of each step) of that attempt's duration (earliest
+start to latest end over ranks), divided by the wall time from launch to exit. Each run
+is bounded by ``--timeout``; a run still going then counts as hung, a non-zero exit as
+died. After each run every invariant of ``flexrun.testing.invariants`` is checked.
+
+    flock -x -w 2400 /tmp/flexrun-heavy.lock timeout 1500 python3 bench/bench_goodput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flexrun.testing.chaos import JobSpec, make_schedule, run_chaos
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=15)
+    p.add_argument("--duration", type=float, default=180.0)
+    p.add_argument("--interval", type=float, default=15.0)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1800)
+    p.add_argument("--step-sleep", type=float, default=0.09)
+    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=420.0, help="per launcher")
+    p.add_argument("--launchers", default="restart,live,torchrun")
+    p.add_argument("--root", default=None)
+    a = p.parse_args()
+
+    root = Path(a.root or tempfile.mkdtemp(prefix="flexrun-goodput-"))
+    faults = make_schedule(
+        a.seed, duration_s=a.duration, interval_s=a.interval, kinds=("kill_worker",)
+    )
+    print(f"flexrun goodput bench: {os.cpu_count()} cpus, load {os.getloadavg()}, root {root}")
+    print(
+        f"workload: chaos_workload --steps {a.steps} --step-sleep {a.step_sleep} "
+        f"--ckpt-every {a.ckpt_every}, {a.nproc} workers; schedule seed {a.seed}: "
+        f"{len(faults)} worker kills at {[f.at_s for f in faults]}"
+    )
+    rows = []
+    for launcher in a.launchers.split(","):
+        spec = JobSpec(
+            root=root / launcher, launcher=launcher, nodes=1, max_nodes=1, nproc=a.nproc,
+            steps=a.steps, step_sleep=a.step_sleep, ckpt_every=a.ckpt_every, seed=a.seed,
+        )  # fmt: skip
+        t0 = time.time()
+        res = run_chaos(spec, faults, timeout_s=a.timeout)
+        st = res.stats
+        hung = any("not done" in v.detail for v in res.violations)
+        died = not hung and res.failed("job_completed")
+        row = {
+            "launcher": launcher,
+            "ettr": st.get("ettr"),
+            "wall_s": st.get("wall_s"),
+            "productive_s": round(st.get("productive_s", 0.0), 2),
+            "steps_completed": st.get("steps_committed"),
+            "steps_recomputed": st.get("steps_recomputed"),
+            "kills": st["faults"].get("kill_worker:done", 0),
+            "kills_skipped": st["faults"].get("kill_worker:skipped", 0),
+            "survived": (not res.failed("job_completed")),
+            "hung": hung,
+            "died": died,
+            "violations": [f"{v.invariant}: {v.detail}" for v in res.violations],
+        }
+        rows.append(row)
+        print(f"  {launcher:9s} done in {time.time() - t0:.0f}s: {json.dumps(row)}", flush=True)
+    print()
+    print(
+        f"{'launcher':10s} {'ETTR':>6s} {'wall s':>7s} {'steps':>6s} {'recomp':>6s} "
+        f"{'kills':>5s} {'survived':>8s} {'hung':>5s} {'died':>5s} violations"
+    )
+    for r in rows:
+        print(
+            f"{r['launcher']:10s} {r['ettr']:6.3f} {r['wall_s']:7.1f} {r['steps_completed']!s:>6s} "
+            f"{r['steps_recomputed']!s:>6s} {r['kills']:5d} {r['survived']!s:>8s} "
+            f"{r['hung']!s:>5s} {r['died']!s:>5s} {len(r['violations'])}"
+        )
+    (root / "goodput.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"load after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
