@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -341,6 +342,12 @@ class MetricsLogger:
         try:
             if flush:
                 self.flush()
+                if self.world_size > 1 and self._loop is None:
+                    # Let gloo's run loop retire the flush's work (dropping its Python-owned
+                    # tensor needs the GIL) before a shutdown barrier can hold on to it: a
+                    # work still held then is freed from that thread later, while the main
+                    # thread holds the GIL joining it in DDP's reducer (seen once, torch 2.13).
+                    time.sleep(0.02)
         finally:
             self._closed = True
             if self._tb is not None:
