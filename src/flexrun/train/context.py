@@ -11,6 +11,7 @@ single-process with no process group, so the same script works everywhere.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -126,6 +127,10 @@ def current() -> TrainContext | None:
     return _current
 
 
+_RETIRE_S = 0.05
+"""How long shutdown() releases the GIL for gloo's threads to retire finished work."""
+
+
 def shutdown() -> None:
     """Destroy the process group that :func:`init` formed. Idempotent; collective.
 
@@ -138,8 +143,12 @@ def shutdown() -> None:
             # process group freed later under the GIL (e.g. by DDP's reducer at exit) joins
             # a thread that is itself waiting for the GIL to free a work's tensors: a
             # deadlock at interpreter exit (seen with torch 2.13, about 1 run in 10).
-            # The barrier's wait releases the GIL, so those threads can finish.
+            # The barrier's wait releases the GIL, so those threads can finish; the barrier's
+            # own work is retired by the same thread after it completes, which needs the GIL
+            # once more: the short sleep releases it (a hang after the barrier was seen once
+            # with examples/train_elastic.py under torchrun).
             dist.barrier()
+            time.sleep(_RETIRE_S)
             dist.destroy_process_group()
         _owns_group = False
         _current = None
