@@ -23,9 +23,11 @@ import base64
 import html
 import io
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -374,6 +376,26 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+def throughput_segments(
+    points: list[tuple[float, float]], breaks: list[float], *, gap_factor: float = 5.0
+) -> list[tuple[float, float]]:
+    """``points`` with a NaN inserted wherever the line must not be drawn across.
+
+    A break is an incident between two reports, or a silence longer than ``gap_factor``
+    times the median interval between reports (training stopped, nothing said why).
+    """
+    if len(points) < 2:
+        return list(points)
+    gaps = sorted(b[0] - a[0] for a, b in pairwise(points))
+    limit = gap_factor * gaps[len(gaps) // 2]
+    out = [points[0]]
+    for prev, cur in pairwise(points):
+        if cur[0] - prev[0] > limit or any(prev[0] < b <= cur[0] for b in breaks):
+            out.append(((prev[0] + cur[0]) / 2, math.nan))
+        out.append(cur)
+    return out
+
+
 def plot_timeline(a: RunAnalysis) -> bytes:
     """World size and steps/s over time, incidents shaded, events marked; PNG bytes."""
     import matplotlib
@@ -406,7 +428,8 @@ def plot_timeline(a: RunAnalysis) -> bytes:
             ax.axvspan(inc.ts - t0, end - t0, color=color, alpha=0.15, lw=0)
         ax1.annotate(inc.cause, (inc.ts - t0, ax1.get_ylim()[1] * 0.9), fontsize=8, color=color)
     if a.throughput:
-        ax2.plot([t - t0 for t, _ in a.throughput], [v for _, v in a.throughput], color="tab:green")
+        line = throughput_segments(a.throughput, [inc.ts for inc in a.incidents])
+        ax2.plot([t - t0 for t, _ in line], [v for _, v in line], color="tab:green")
     else:
         ax2.text(
             0.5,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from flexrun.observe.report import (
     analyze,
     find_event_files,
     load_events,
+    throughput_segments,
     write_report,
 )
 
@@ -27,7 +29,10 @@ def ev(event: str, ts: float, round: int | None = None, node: str = "a", **kw: o
 
 
 def up(ts: float, rnd: int, members: list[str], world: int) -> list[dict]:
-    return [ev("rendezvous_completed", ts, rnd, node=n, members=members, world_size=world) for n in members]
+    return [
+        ev("rendezvous_completed", ts, rnd, node=n, members=members, world_size=world)
+        for n in members
+    ]
 
 
 def steps(t0: float, t1: float, rnd: int) -> list[dict]:
@@ -41,21 +46,25 @@ def steps(t0: float, t1: float, rnd: int) -> list[dict]:
 # a at 2 workers; kill -9 at 10; b joins at 20 (b proposes the scale-up); b SIGTERMed at 30.
 RUN = [
     ev("node_joined", 0, node_id="a"),
-    *up(1, 1, ["a"], 2), *steps(2, 9, 1),
+    *up(1, 1, ["a"], 2),
+    *steps(2, 9, 1),
     ev("failure", 10, 1, rank=1, exit_code=137, signal="SIGKILL", message="killed by SIGKILL"),
     ev("restart", 10, 2, reason="failure", restarts=1),
-    *up(11, 2, ["a"], 2), *steps(13, 19, 2),
+    *up(11, 2, ["a"], 2),
+    *steps(13, 19, 2),
     ev("node_joined", 19.5, node="b", node_id="b"),
     ev("scale_up", 20.1, 3, node="b", joined=["b"], nodes=2),
     ev("restart", 20, 3, reason="scale_up"),
-    *up(22, 3, ["a", "b"], 4), *steps(25, 29, 3),
+    *up(22, 3, ["a", "b"], 4),
+    *steps(25, 29, 3),
     ev("checkpoint_saved", 27, 3, rank=0, step=27, bytes=10),
     ev("preempted", 30, 3, node="b", signal="SIGTERM"),
     ev("job_finished", 30.2, 3, node="b", exit_code=143, ettr=0.9),
     ev("node_left", 30.3, 4, node_id="b"),
     ev("scale_down", 30.3, 4, nodes=1),
     ev("restart", 30.3, 4, reason="node_left"),
-    *up(31, 4, ["a"], 2), *steps(33, 39, 4),
+    *up(31, 4, ["a"], 2),
+    *steps(33, 39, 4),
     ev("job_finished", 40, 4, exit_code=0, wall_s=40, productive_s=30, ettr=0.75),
 ]
 
@@ -79,7 +88,13 @@ def test_incidents_are_one_per_interruption_with_cause_recovery_and_time_lost() 
     assert (kill.ts, kill.recovered_ts, kill.duration_s) == (1010, 1011, 1)
     assert kill.lost_s == pytest.approx(2.0)  # the report at 13 covers steps from 12 (1 s windows)
     # the restart logged by a (t=20) starts the incident; b's scale_up names its cause
-    assert (grow.ts, grow.duration_s, grow.node, grow.world_before, grow.world_after) == (1020, 2, "b", 2, 4)
+    assert (grow.ts, grow.duration_s, grow.node, grow.world_before, grow.world_after) == (
+        1020,
+        2,
+        "b",
+        2,
+        4,
+    )
     assert "b joined" in grow.detail and set(grow.events) == {"restart", "scale_up"}
     assert (term.ts, term.duration_s, term.recovered_round) == (1030, 1, 4)
     assert set(term.events) == {"preempted", "node_left", "scale_down", "restart"}
@@ -96,14 +111,26 @@ def test_incidents_are_one_per_interruption_with_cause_recovery_and_time_lost() 
 @pytest.mark.timeout(30)
 def test_a_lost_node_and_a_peer_failure_in_the_same_round_are_one_incident() -> None:
     events = [
-        *up(1, 1, ["a", "b"], 4), *steps(2, 9, 1),
-        ev("failure", 10.5, 1, node="b", rank=2, exit_code=1, message="RuntimeError: Connection reset"),
+        *up(1, 1, ["a", "b"], 4),
+        *steps(2, 9, 1),
+        ev(
+            "failure",
+            10.5,
+            1,
+            node="b",
+            rank=2,
+            exit_code=1,
+            message="RuntimeError: Connection reset",
+        ),
         ev("node_lost", 10, 2, node_id="c"),
         ev("scale_down", 10, 2, nodes=2),
-        *up(12, 2, ["a", "b"], 4), *steps(13, 15, 2),
+        *up(12, 2, ["a", "b"], 4),
+        *steps(13, 15, 2),
     ]
     (inc,) = analyze(events).incidents
-    assert inc.cause == "node_lost" and inc.duration_s == 2 and "c stopped heart-beating" in inc.detail
+    assert (
+        inc.cause == "node_lost" and inc.duration_s == 2 and "c stopped heart-beating" in inc.detail
+    )
 
 
 @pytest.mark.timeout(30)
@@ -177,3 +204,13 @@ def test_report_cli_writes_to_output_and_rejects_missing_or_empty_dirs(
     assert len(err) == 2 and "no such file" in err[0] and "no events.jsonl" in err[1]
     with pytest.raises(ConfigError, match="empty"):
         analyze([])
+
+
+def test_throughput_line_breaks_at_incidents_and_silences() -> None:
+    pts = [(0.0, 10.0), (1.0, 11.0), (2.0, 9.0), (3.0, 10.0), (30.0, 12.0), (31.0, 12.0)]
+    line = throughput_segments(pts, breaks=[1.5])
+    nans = [t for t, v in line if math.isnan(v)]
+    assert nans == [1.5, 16.5]  # the incident at 1.5 s, and the 27 s silence
+    assert [p for p in line if not math.isnan(p[1])] == pts
+    assert throughput_segments(pts[:4], breaks=[]) == pts[:4]
+    assert throughput_segments(pts[:1], breaks=[0.5]) == pts[:1]
