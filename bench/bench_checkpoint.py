@@ -9,7 +9,11 @@ For a ~50M-parameter model with Adam state, in one process and one run:
    the host copy) and the step time of training steps that run while the checkpoint
    persists in the background.
 
-Usage: python bench/bench_checkpoint.py [--dir DIR] [--repeats 2] [--cap-mb-s 60]
+Usage: python bench/bench_checkpoint.py [--dir DIR] [--repeats 2] [--share 0.2 ...]
+       [--normal-priority] [--copy-in-save]
+
+The headline rows are Checkpointer's DEFAULT settings and the unpaced variant
+(``persist_cpu_share=None``); the flags add variants for contrast.
 """
 
 from __future__ import annotations
@@ -60,7 +64,11 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--cap-mb-s", type=float, default=60.0, help="rate cap of the third variant")
+    ap.add_argument(
+        "--share", type=float, action="append", default=[], help="extra persist_cpu_share variant"
+    )
+    ap.add_argument("--normal-priority", action="store_true", help="add a non-SCHED_IDLE variant")
+    ap.add_argument("--copy-in-save", action="store_true", help="add a defer_copy=False variant")
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="flexrun-bench-")
     os.makedirs(root, exist_ok=True)
@@ -82,22 +90,26 @@ def main() -> None:
     print(f"sync torch.save+fsync: median {sync_s:.3f} s  ({', '.join(f'{s:.3f}' for s in syncs)})")
 
     results = {}
-    variants = [
-        ("deferred copy", True, None),
-        ("copy in save()", False, None),
-        (f"deferred copy, persist capped at {args.cap_mb_s:g} MB/s", True, args.cap_mb_s * 1e6),
+    variants: list[tuple[str, dict[str, object]]] = [
+        ("DEFAULT settings", {}),
+        ("unpaced (persist_cpu_share=None)", {"persist_cpu_share": None}),
     ]
-    for n, (label, defer, cap) in enumerate(variants):
+    for share in args.share:
+        variants.append((f"persist_cpu_share={share:g}", {"persist_cpu_share": share}))
+    if args.normal_priority:
+        variants.append(("DEFAULT, but persist_when_idle=False", {"persist_when_idle": False}))
+    if args.copy_in_save:
+        variants.append(("DEFAULT, but defer_copy=False", {"defer_copy": False}))
+    for n, (label, options) in enumerate(variants):
         ck = Checkpointer(
             os.path.join(root, f"async-{n}"),
             ctx=single_process_context(),
             keep_last=1,
-            defer_copy=defer,
-            persist_max_bytes_s=cap,
+            **options,  # type: ignore[arg-type]
         )
         ck.register("model", model)
         ck.register("optim", opt)
-        stalls, bg_steps = [], []
+        stalls, bg_steps, persists = [], [], []
         for i in range(args.repeats + 1):
             t0 = time.perf_counter()
             ck.save(i + 1)
@@ -123,16 +135,17 @@ def main() -> None:
             )
             if i > 0:
                 stalls.append(stall)
+                persists.append(persist)
                 bg_steps += during
             base += [step(model, opt, x) for _ in range(3)]
         ck.close()
-        results[label] = (statistics.median(stalls), bg_steps)
+        results[label] = (statistics.median(stalls), bg_steps, statistics.median(persists))
 
     base_s = statistics.median(base)
     print()
     print(f"sync torch.save+fsync (median)     : {sync_s * 1e3:.1f} ms")
     print(f"step, no persist (median, n={len(base)}) : {base_s * 1e3:.1f} ms")
-    for label, (stall_s, bg_steps) in results.items():
+    for label, (stall_s, bg_steps, persist_s) in results.items():
         bg_s = statistics.median(bg_steps) if bg_steps else float("nan")
         bg_mean = statistics.fmean(bg_steps) if bg_steps else float("nan")
         base_mean = statistics.fmean(base)
@@ -146,6 +159,7 @@ def main() -> None:
             f"   background slowdown per step    : {(bg_s / base_s - 1) * 100:+.1f} %   (target <= 10 %)"
         )
         print(f"   same, means instead of medians  : {(bg_mean / base_mean - 1) * 100:+.1f} %")
+        print(f"   persist duration (steady, median): {persist_s:.2f} s")
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -365,6 +365,7 @@ def test_throttled_background_persist_sleeps_on_the_injected_clock(tmp_path: Pat
         ctx=single_process_context(),
         clock=clock,
         persist_max_bytes_s=1_000_000.0,
+        persist_cpu_share=None,  # the rate cap alone
         save_rng=False,
     )
     c.register("big", big)

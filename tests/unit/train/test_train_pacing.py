@@ -1,0 +1,208 @@
+"""Pacing of the background persist: CpuPacer's rests, PacedWriter's pieces, the
+Checkpointer default and opt-out, and torch.save without the zip CRC. No wall-clock asserts:
+CPU time is a counter the tests advance and rests land on a FakeClock."""
+
+from __future__ import annotations
+
+import io
+import threading
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flexrun.errors import CheckpointError
+from flexrun.testing import FakeClock
+from flexrun.train import Checkpointer
+from flexrun.train.checkpoint import DEFAULT_PERSIST_CPU_SHARE, save_without_zip_crc
+from flexrun.train.context import single_process_context
+from flexrun.train.storage import CpuPacer, PacedWriter
+
+
+class FakeCpu:
+    """The paced thread's CPU seconds; tests say how much work each piece took."""
+
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pacer(share: float) -> tuple[CpuPacer, FakeClock, FakeCpu]:
+    clock, cpu = FakeClock(), FakeCpu()
+    pacer = CpuPacer(share, clock, cpu_time=cpu)
+    pacer.start()
+    return pacer, clock, cpu
+
+
+@pytest.mark.parametrize(("share", "work", "rest"), [(0.1, 0.01, 0.09), (0.25, 0.02, 0.06)])
+def test_pacer_rests_for_the_cpu_time_a_piece_took_times_one_over_share_minus_one(
+    share: float, work: float, rest: float
+) -> None:
+    pacer, clock, cpu = _pacer(share)
+    t0 = clock.monotonic()
+    cpu.now += work
+    pacer.pace()
+    assert clock.monotonic() - t0 == pytest.approx(rest)
+    assert pacer.rested_s == pytest.approx(rest)
+
+
+def test_pacer_keeps_the_cpu_share_over_many_pieces_of_uneven_work() -> None:
+    pacer, clock, cpu = _pacer(0.1)
+    t0, busy = clock.monotonic(), 0.0
+    for i in range(200):
+        work = 0.002 + 0.001 * (i % 7)
+        cpu.now += work
+        clock.advance(work)  # the work itself takes wall time too
+        busy += work
+        pacer.pace()
+    assert busy / (clock.monotonic() - t0) == pytest.approx(0.1, rel=1e-6)
+
+
+def test_pacer_does_not_count_time_waiting_for_a_core_as_work() -> None:
+    pacer, clock, cpu = _pacer(0.1)
+    clock.advance(5.0)  # preempted: wall time passes, no CPU used
+    t0 = clock.monotonic()
+    pacer.pace()
+    assert clock.monotonic() == t0 and pacer.rested_s == 0.0
+
+
+def test_pacer_rest_per_piece_is_capped() -> None:
+    pacer, clock, cpu = _pacer(0.01)
+    t0 = clock.monotonic()
+    cpu.now += 10.0
+    pacer.pace()
+    assert clock.monotonic() - t0 == pytest.approx(CpuPacer._MAX_REST_S)
+
+
+def test_pacer_stops_resting_once_hurried() -> None:
+    pacer, clock, cpu = _pacer(0.1)
+    cpu.now += 0.05
+    pacer.hurry()
+    t0 = clock.monotonic()
+    pacer.pace()
+    cpu.now += 0.05
+    pacer.pace()
+    assert clock.monotonic() == t0
+
+
+def test_hurry_ends_a_rest_in_progress_within_a_slice() -> None:
+    cpu = FakeCpu()
+
+    class HurryingClock(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            pacer.hurry()  # another thread calls wait() during the first slice
+
+    hc = HurryingClock()
+    pacer = CpuPacer(0.1, hc, cpu_time=cpu)
+    pacer.start()
+    cpu.now += 0.1  # earns a 0.9 s rest
+    t0 = hc.monotonic()
+    pacer.pace()
+    assert 0 < hc.monotonic() - t0 <= CpuPacer._SLICE_S
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
+def test_pacer_rejects_a_share_outside_zero_to_one(share: float) -> None:
+    with pytest.raises(CheckpointError):
+        CpuPacer(share, FakeClock())
+
+
+def test_paced_writer_passes_bytes_through_in_pieces_and_paces_after_each() -> None:
+    pacer, clock, cpu = _pacer(0.5)
+    calls: list[int] = []
+
+    class Sink(io.BytesIO):
+        def write(self, data: Any) -> int:
+            cpu.now += 0.001  # each piece costs 1 ms of CPU
+            calls.append(len(data))
+            return super().write(data)
+
+    sink = Sink()
+    blob = bytes(range(256)) * ((10 << 20) // 256)  # 10 MiB: pieces of 4, 4, 2 MiB
+    assert PacedWriter(sink, pacer).write(blob) == len(blob)
+    assert sink.getvalue() == blob
+    assert calls == [4 << 20, 4 << 20, 2 << 20]
+    assert pacer.rested_s == pytest.approx(0.003)
+
+
+class _Big:
+    def __init__(self) -> None:
+        self.t = torch.arange(3_000_000, dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"t": self.t}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.t = state["t"]
+
+
+def _save_once(tmp_path: Path, clock: FakeClock, **kw: Any) -> Checkpointer:
+    c = Checkpointer(
+        str(tmp_path / "ck"), ctx=single_process_context(), clock=clock, save_rng=False, **kw
+    )
+    c.register("big", _Big())
+    c.save(1)
+    thread = c._thread
+    assert thread is not None
+    thread.join(timeout=60)  # let it finish paced (wait() would hurry it)
+    assert not thread.is_alive()
+    return c
+
+
+def test_checkpointer_paces_by_default_and_the_checkpoint_loads(tmp_path: Path) -> None:
+    assert DEFAULT_PERSIST_CPU_SHARE == 0.1
+    clock = FakeClock()
+    c = _save_once(tmp_path, clock)
+    pacer = c._pacer
+    assert pacer is not None and pacer.rested_s > 0  # hashing 12 MB took some CPU
+    c.wait()
+    big = _Big()
+    big.t = torch.zeros(1)
+    c2 = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), save_rng=False)
+    c2.register("big", big)
+    assert c2.load() is not None and torch.equal(big.t, torch.arange(3_000_000.0))
+
+
+def test_checkpointer_unpaced_when_share_is_none(tmp_path: Path) -> None:
+    clock = FakeClock()
+    t0 = clock.monotonic()
+    c = _save_once(tmp_path, clock, persist_cpu_share=None)
+    assert c._pacer is None and clock.monotonic() == t0
+    c.wait()
+
+
+@pytest.mark.parametrize("share", [0.0, 2.0])
+def test_checkpointer_rejects_a_bad_cpu_share(tmp_path: Path, share: float) -> None:
+    with pytest.raises(CheckpointError):
+        Checkpointer(str(tmp_path), ctx=single_process_context(), persist_cpu_share=share)
+
+
+def test_save_without_zip_crc_loads_and_restores_the_global_setting() -> None:
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    seen: list[bool] = []
+
+    class Spy(io.BytesIO):
+        def write(self, data: Any) -> int:
+            seen.append(config.save.compute_crc32)
+            return super().write(data)
+
+    buf = Spy()
+    save_without_zip_crc({"w": torch.arange(10.0)}, buf)
+    assert config.save.compute_crc32 == before and seen and all(s == before for s in seen)
+    records = zipfile.ZipFile(io.BytesIO(buf.getvalue())).infolist()
+    assert [r.CRC for r in records if "/data/" in r.filename] == [0]  # no CRC computed
+    out = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    assert torch.equal(out["w"], torch.arange(10.0))
+    # the lock was released: a second call (from another thread) does not block
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (save_without_zip_crc(1, io.BytesIO()), done.set()))
+    t.start()
+    t.join(timeout=30)
+    assert done.is_set()
