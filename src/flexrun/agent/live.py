@@ -37,13 +37,17 @@ from flexrun.agent.workers import (
     start_tees,
 )
 from flexrun.config import RunConfig
+from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
 from flexrun.observe.events import EventLog
 from flexrun.rendezvous import RendezvousHandler
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.store.api import Store
-from flexrun.train.live import EpochRecord, live_keys
 
 log = logging.getLogger("flexrun.agent")
+
+# A node's first workers were started as spares when its agent started: one still importing
+# torch is ready sooner than a process started now (waits end early if none is booting).
+SPARE_BOOT_WAIT_S = 60.0
 
 
 @dataclass
@@ -89,12 +93,20 @@ class LiveSupervisor:
         self._tee_done = threading.Event()
         self._epoch_key, _ = live_keys(config.run_id)
         self._node_key = f"flexrun/{config.run_id}/live/nodes/{self.node}"
+        self._formed_key = formed_key(config.run_id)
         self._published: tuple[int, tuple[str, ...]] | None = None
         self._counted_epoch = -1
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / self.node
-        usable = warm_spares > 0 and not config.no_python
-        self.pool = WarmPool(warm_spares, config.environ, self._log_root / "spares") if usable else None
+        self.pool: WarmPool | None = None
+        if not config.no_python:
+            env = dict(config.environ)
+            if config.nproc_per_node > 1:
+                env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
+            self.pool = WarmPool(warm_spares, env, self._log_root / "spares")
+            # This node's own first workers start booting now (Python, torch) while the
+            # agent meets the others: a joining node trains that much sooner.
+            self.pool.fill(count=config.nproc_per_node)
 
     @property
     def active(self) -> bool:
@@ -129,7 +141,9 @@ class LiveSupervisor:
             FLEXRUN_LIVE_STORE=f"{self.store_addr[0]}:{self.store_addr[1]}",
             FLEXRUN_WORKER_ID=worker_id,
             FLEXRUN_LIVE_HEARTBEAT=str(heartbeat),
-            FLEXRUN_LIVE_HEARTBEAT_INTERVAL=str(min(0.5, self.config.rendezvous.heartbeat_interval_s)),
+            FLEXRUN_LIVE_HEARTBEAT_INTERVAL=str(
+                min(0.5, self.config.rendezvous.heartbeat_interval_s)
+            ),
         )
         return env
 
@@ -137,17 +151,26 @@ class LiveSupervisor:
         wid = self._next_id()
         hb = self._hb_root / wid
         hb.unlink(missing_ok=True)
-        w = spawn_worker(self.command, self._env(slot, wid, hb), self._log_root / wid, rank=slot, local_rank=slot)
+        w = spawn_worker(
+            self.command, self._env(slot, wid, hb), self._log_root / wid, rank=slot, local_rank=slot
+        )
         lw = LiveWorker(wid, w, hb)
         lw.tees = start_tees(w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
-        self.events.emit("worker_started", worker_id=wid, local_rank=slot, pid=w.proc.pid, spare=False)
+        self.events.emit(
+            "worker_started", worker_id=wid, local_rank=slot, pid=w.proc.pid, spare=False
+        )
         return lw
 
-    def _fill(self, slot: int, *, include_now: bool) -> None:
+    def _fill(
+        self, slot: int, *, include_now: bool, boot_wait_s: float = 0.0, joining: bool = False
+    ) -> None:
         """Put a worker in ``slot``: a ready warm spare joins the next epoch at once (the
         world size, and so bitwise reproducibility, is kept); otherwise a fresh process is
-        started and joins at a step boundary once it is up, while the others carry on."""
-        spare = self.pool.take() if self.pool is not None else None
+        started and joins at a step boundary once it is up, while the others carry on.
+        ``boot_wait_s``: wait that long for a spare that is still importing torch.
+        ``joining``: a new node's worker; even a spare enters an epoch only once its script
+        has reached the loop (the running members must not wait for the script's set-up)."""
+        spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
         if spare is None:
             lw = self._spawn(slot)
             lw.included = include_now
@@ -156,12 +179,29 @@ class LiveSupervisor:
         wid = self._next_id()
         hb = self._hb_root / wid
         hb.unlink(missing_ok=True)
-        assign(spare, env=self._env(slot, wid, hb), entry=self.config.entrypoint, args=self.config.args,
-               module=self.config.module, rank=slot, local_rank=slot, log_dir=self._log_root / wid)
-        lw = LiveWorker(wid, spare, hb, included=True)
-        lw.tees = start_tees(spare.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
+        assign(
+            spare,
+            env=self._env(slot, wid, hb),
+            entry=self.config.entrypoint,
+            args=self.config.args,
+            module=self.config.module,
+            rank=slot,
+            local_rank=slot,
+            log_dir=self._log_root / wid,
+        )
+        lw = LiveWorker(wid, spare, hb, included=include_now or not joining)
+        lw.tees = start_tees(
+            spare.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done
+        )
         self.slots[slot] = lw
-        self.events.emit("worker_started", worker_id=wid, local_rank=slot, pid=spare.proc.pid, spare=True)
+        self.events.emit(
+            "worker_started",
+            worker_id=wid,
+            local_rank=slot,
+            pid=spare.proc.pid,
+            spare=True,
+            spare_ready_ts=self.pool.last_ready_ts if self.pool is not None else None,
+        )
         log.info("slot %d: a warm spare takes over as %s", slot, wid)
 
     def _reap(self, lw: LiveWorker) -> None:
@@ -181,9 +221,14 @@ class LiveSupervisor:
         self.round = rnd
         first_in_job = self.store.get(self._epoch_key) is None
         for slot in range(self.config.nproc_per_node):
-            self._fill(slot, include_now=first_in_job)
+            self._fill(
+                slot,
+                include_now=first_in_job,
+                boot_wait_s=SPARE_BOOT_WAIT_S,
+                joining=not first_in_job,
+            )
         if self.pool is not None:
-            self.pool.fill()
+            self.pool.trim()  # (and refilled by poll() once these workers are up)
         self.publish()
 
     def on_round(self, rnd: RoundRecord) -> None:
@@ -216,6 +261,7 @@ class LiveSupervisor:
     def poll(self) -> int | None:
         """Check workers; replace the dead; publish changes. Returns 0 when all finished."""
         changed = False
+        dead: list[int] = []
         now = time.time()
         timeout = self.config.rendezvous.heartbeat_timeout_s
         for slot, lw in sorted(self.slots.items()):
@@ -232,15 +278,23 @@ class LiveSupervisor:
                         lw.included, changed = True, True
                     age = now - mtime
                     if age > timeout:
-                        log.warning("worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age)
-                        self.events.emit("hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2))
+                        log.warning(
+                            "worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age
+                        )
+                        self.events.emit(
+                            "hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2)
+                        )
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(lw.worker.proc.pid, signal.SIGKILL)
                 continue
             result = WorkerResult(slot, slot, lw.worker.proc.pid, rc, now)
             self.events.emit(
-                "worker_exited", worker_id=lw.worker_id, local_rank=slot, pid=result.pid,
-                exit_code=result.exit_code, signal=result.signal_name,
+                "worker_exited",
+                worker_id=lw.worker_id,
+                local_rank=slot,
+                pid=result.pid,
+                exit_code=result.exit_code,
+                signal=result.signal_name,
             )
             if rc == 0:
                 lw.finished = True
@@ -250,24 +304,71 @@ class LiveSupervisor:
             self._reap(lw)
             del self.slots[slot]
             self._count_failure(cause)
-            if any(other.finished for other in self.slots.values()):
-                continue  # training is complete: nothing left for a replacement to do
-            self._fill(slot, include_now=False)
+            dead.append(slot)
+        if dead and not any(other.finished for other in self.slots.values()):
+            # (When some worker finished, training is complete: nothing left to replace.)
+            lost = self._state_lost()
+            if lost is not None:
+                self._fall_back(lost)
+            for slot in dead:
+                self._fill(slot, include_now=lost is not None)
             changed = True
         if self.slots and all(lw.finished for lw in self.slots.values()):
             return 0
-        if self.pool is not None:
+        if self.pool is not None and self._settled():
+            # Not earlier: a spare importing torch would slow this node's workers' start.
             self.pool.fill()
         if changed or self._published is None or self.round is not None:
             self.publish()
         return None
+
+    def _settled(self) -> bool:
+        """Every worker of this node has reached the loop (or finished)."""
+        return all(lw.finished or lw.heartbeat.exists() for lw in self.slots.values())
+
+    def _state_lost(self) -> int | None:
+        """The number of the current epoch if no living worker can hold its state (every
+        member died), else None. Another node's published workers count as holders: the
+        workers themselves fall back if they turn out to have none (``live_plan``)."""
+        if self.store.get(self._formed_key) is None:
+            return None  # no epoch has trained yet: nothing to lose
+        entry = self.store.get(self._epoch_key)
+        if entry is None:
+            return None
+        current = EpochRecord.decode(entry.value)
+        if any(lw.worker.proc.poll() is None and _holds_state(lw) for lw in self.slots.values()):
+            return None
+        prefix = f"flexrun/{self.config.run_id}/live/nodes/"
+        records = self.store.get_prefix(prefix)
+        others = self.round.members if self.round is not None else ()
+        for m in others:
+            rec = records.get(prefix + m.node_id)
+            if m.node_id == self.node or rec is None:
+                continue
+            if set(json.loads(rec.value)["workers"]) & set(current.members):
+                return None
+        return current.number
+
+    def _fall_back(self, epoch: int) -> None:
+        """Every member of ``epoch`` died: restart mode. All of this node's workers (fresh
+        ones and spares) enter the next epoch together, at the full world size, and resume
+        from the latest durable checkpoint (the new epoch's rank 0 loads and broadcasts it)."""
+        detail = (
+            f"every worker of live epoch {epoch} died: restarting all workers from the latest "
+            "durable checkpoint"
+        )
+        log.warning("live fallback: %s", detail)
+        self.events.emit("restart", reason="live_fallback", detail=detail, epoch=epoch, mode="live")
+        for lw in self.slots.values():
+            lw.included = True
 
     def _count_failure(self, cause: dict[str, Any]) -> None:
         entry = self.store.get(self._epoch_key)
         epoch = EpochRecord.decode(entry.value).number if entry is not None else 0
         log.warning(
             "worker %s failed (%s): %s; replacing it, survivors keep running",
-            cause.get("worker_id"), cause.get("signal") or f"exit code {cause.get('exit_code')}",
+            cause.get("worker_id"),
+            cause.get("signal") or f"exit code {cause.get('exit_code')}",
             cause.get("message") or "",
         )
         if epoch == self._counted_epoch:
@@ -283,7 +384,10 @@ class LiveSupervisor:
             return
         mine = tuple(lw.worker_id for _, lw in sorted(self.slots.items()) if lw.included)
         if self._published != (self.round.number, mine):
-            self.store.put(self._node_key, json.dumps({"round": self.round.number, "workers": list(mine)}).encode())
+            self.store.put(
+                self._node_key,
+                json.dumps({"round": self.round.number, "workers": list(mine)}).encode(),
+            )
             self._published = (self.round.number, mine)
         members: list[str] = []
         prefix = f"flexrun/{self.config.run_id}/live/nodes/"
@@ -304,6 +408,24 @@ class LiveSupervisor:
             self._epoch_key, rec.encode(), expected_revision=entry.revision if entry else 0
         )
         if ok:
-            self.events.emit("live_epoch", epoch=rec.number, members=list(rec.members), abort=abort,
-                             world_size=len(rec.members))
-            log.info("live epoch %d: %d worker(s)%s", rec.number, len(members), " (abort)" if abort else "")
+            self.events.emit(
+                "live_epoch",
+                epoch=rec.number,
+                members=list(rec.members),
+                abort=abort,
+                world_size=len(rec.members),
+            )
+            log.info(
+                "live epoch %d: %d worker(s)%s",
+                rec.number,
+                len(members),
+                " (abort)" if abort else "",
+            )
+
+
+def _holds_state(lw: LiveWorker) -> bool:
+    """The worker has joined an epoch (``LiveLoop`` marks its heartbeat file then)."""
+    try:
+        return lw.heartbeat.read_text().startswith(STATE_MARK)
+    except OSError:
+        return False

@@ -31,9 +31,12 @@ class WarmPool:
         self.root = root
         self.spares: list[tuple[Worker, Path]] = []
         self._seq = 0
+        self.last_ready_ts: float | None = None
+        """When the spare last handed out finished its imports (epoch seconds)."""
 
-    def fill(self) -> None:
-        """Reap dead spares and start new ones up to the pool size."""
+    def fill(self, count: int | None = None) -> None:
+        """Reap dead spares and start new ones up to the pool size (or up to ``count``: a
+        node's first workers, started as spares before its agent has met the others)."""
         alive = []
         for w, ready in self.spares:
             if w.proc.poll() is None:
@@ -41,7 +44,7 @@ class WarmPool:
             else:
                 _reap(w)
         self.spares = alive
-        while len(self.spares) < self.size:
+        while len(self.spares) < (self.size if count is None else count):
             self._seq += 1
             name = f"spare-{os.getpid()}-{self._seq}"
             ready = self.root / f"{name}.ready"
@@ -49,7 +52,9 @@ class WarmPool:
             ready.unlink(missing_ok=True)
             env = dict(self.environ, FLEXRUN_SPARE_READY=str(ready))
             cmd = [sys.executable, "-u", "-m", "flexrun.train.spare"]
-            w = spawn_worker(cmd, env, self.root / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE)
+            w = spawn_worker(
+                cmd, env, self.root / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE
+            )
             self.spares.append((w, ready))
 
     def take(self, wait_s: float = 0.0) -> Worker | None:
@@ -66,11 +71,21 @@ class WarmPool:
                     continue
                 if ready.exists():
                     del self.spares[i]
+                    with contextlib.suppress(OSError):
+                        self.last_ready_ts = ready.stat().st_mtime
+                    ready.unlink(missing_ok=True)  # the flag means "an idle spare is ready"
                     return w
                 booting = True
             if not booting or time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+    def trim(self) -> None:
+        """Stop spares beyond the pool size (a node's first workers that were not needed)."""
+        while len(self.spares) > self.size:
+            w, ready = self.spares.pop()
+            _reap(w)
+            ready.unlink(missing_ok=True)
 
     def close(self) -> None:
         for w, _ in self.spares:

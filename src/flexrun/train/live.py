@@ -27,6 +27,18 @@ per-epoch permutation, split contiguously among the current ranks, and the loss 
 micro-batch is scaled by its share of ``G``: the summed gradient is the single-process
 gradient of the global batch whatever the world size, and at an unchanged world size the
 run is bitwise identical to one that never failed.
+
+When live state cannot be trusted (nobody holds it: every member died; or the members'
+committed steps or model checksums disagree), the epoch's rank 0 restores the newest
+durable checkpoint and broadcasts it, as restart mode would, with a ``live_fallback``
+event; the decision is ``flexrun.train.live_plan.plan_recovery``.
+
+Backends: gloo with CPU tensors is the only implemented and tested path. NCCL is not
+implemented (and has not been run: no GPU here). The intended design: a
+``ProcessGroupNCCL`` per epoch on the same fresh ``PrefixStore`` namespace, with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (which the agent sets) and the old group's
+``abort()`` (``ncclCommAbort``, which, unlike gloo's abort, does release kernels stuck on
+a dead peer) instead of leaking it; gradients and the state broadcast on the device.
 """
 
 from __future__ import annotations
@@ -52,7 +64,9 @@ import torch
 import torch.distributed as dist
 
 from flexrun.errors import CheckpointError, ConfigError, FlexrunError
+from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
 from flexrun.observe.events import EventLog
+from flexrun.train.live_plan import MemberReport, plan_recovery
 
 log = logging.getLogger("flexrun.train.live")
 
@@ -65,31 +79,6 @@ class LiveAborted(FlexrunError):
 
 class _TrainingFinished(Exception):
     """The job's members completed every step while this worker waited to join."""
-
-
-@dataclass(frozen=True, slots=True)
-class EpochRecord:
-    """Who trains in epoch ``number``, in rank order."""
-
-    number: int
-    members: tuple[str, ...]
-    abort: bool
-
-    def encode(self) -> bytes:
-        return json.dumps(
-            {"v": 1, "number": self.number, "members": list(self.members), "abort": self.abort}
-        ).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> EpochRecord:
-        d = json.loads(raw)
-        return cls(int(d["number"]), tuple(d["members"]), bool(d["abort"]))
-
-
-def live_keys(run_id: str) -> tuple[str, str]:
-    """(epoch key, per-epoch namespace prefix) of a job's live mode."""
-    root = f"flexrun/{run_id}/live/"
-    return root + "epoch", root + "e/"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,6 +221,7 @@ class LiveLoop:
         self._perm_cache: tuple[int, list[int]] | None = None
         self._current_micro = 0
         self._pending_change = False
+        self._next_epoch_check = 0.0
         self._preempted = False
         self._params = [p for p in model.parameters()]
         self._ckpt: Any = None
@@ -240,6 +230,7 @@ class LiveLoop:
         self.events.round = self.env.round
         self._epoch_key, self._ns = live_keys(self.env.run_id)
         self._done_key = self._epoch_key.rsplit("/", 1)[0] + "/done"
+        self._formed_key = formed_key(self.env.run_id)
 
         from flexrun.store.tcp import TcpStore
 
@@ -287,6 +278,7 @@ class LiveLoop:
 
     # -- the loop ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
+        self.events.emit("live_worker_ready", pid=os.getpid())  # (joiner latency breakdown)
         try:
             self._rejoin(reason="start")
         except _TrainingFinished:
@@ -327,6 +319,13 @@ class LiveLoop:
                 _leak(pg)
 
     def _commit(self, step: Step) -> bool:
+        try:
+            # Once per step too: a small world's all-reduce may complete before _wait ever
+            # looks, and a joiner would wait many steps to be noticed.
+            self._check_epoch(time.monotonic())
+        except LiveAborted as exc:
+            self._rejoin(reason=str(exc))
+            return False
         grads = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
             for p in self._params
@@ -380,8 +379,6 @@ class LiveLoop:
     def _wait(self, work: Any) -> None:
         """Wait for a collective, watching for an aborting epoch change."""
         deadline = time.monotonic() + self.timeout_s
-        next_check = 0.0
-        current = self.epoch.number if self.epoch else -1
         while True:
             if work.is_completed():
                 try:
@@ -392,16 +389,23 @@ class LiveLoop:
                     ) from exc
                 return
             now = time.monotonic()
-            if now >= next_check:
-                next_check = now + 0.005
-                rec = self._read_epoch()
-                if rec is not None and rec.number != current:
-                    if rec.abort or self.env.worker_id not in rec.members:
-                        raise LiveAborted(f"epoch {rec.number} replaced epoch {current}")
-                    self._pending_change = True
+            self._check_epoch(now)
             if now > deadline:
                 raise LiveAborted(f"collective did not complete in {self.timeout_s:g}s")
             time.sleep(0.0005)
+
+    def _check_epoch(self, now: float) -> None:
+        """At most every 5 ms: an aborting epoch change raises LiveAborted; a growing one
+        is flagged, to be agreed at the next step boundary."""
+        if now < self._next_epoch_check:
+            return
+        self._next_epoch_check = now + 0.005
+        rec = self._read_epoch()
+        current = self.epoch.number if self.epoch else -1
+        if rec is not None and rec.number != current:
+            if rec.abort or self.env.worker_id not in rec.members:
+                raise LiveAborted(f"epoch {rec.number} replaced epoch {current}")
+            self._pending_change = True
 
     # -- membership -------------------------------------------------------------------------
     def _next_epoch(self, after: int) -> EpochRecord:
@@ -445,9 +449,10 @@ class LiveLoop:
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
         prefix = dist.PrefixStore(f"{self._ns}{rec.number}/", self._raw)
-        prefix.set(
-            f"ready/{rank}", json.dumps({"step": self.committed, "has_state": self.has_state})
-        )
+        report: dict[str, Any] = {"step": self.committed, "has_state": self.has_state}
+        if self.has_state:
+            report["checksum"] = state_checksum(self.model)
+        prefix.set(f"ready/{rank}", json.dumps(report))
         names = [f"ready/{r}" for r in range(world)]
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -463,20 +468,26 @@ class LiveLoop:
                 raise LiveAborted(f"epoch {latest.number} superseded {rec.number} during agreement")
             if time.monotonic() > deadline:
                 raise LiveAborted(f"members of epoch {rec.number} did not all arrive")
-        states = [json.loads(bytes(v)) for v in prefix.multi_get(names)]
-        holders = [r for r, s in enumerate(states) if s["has_state"]]
-        if not holders and not self.has_state:
-            self._load_durable()
-            states[rank] = {"step": self.committed, "has_state": self.has_state}
-        best = max((states[r]["step"] for r in holders), default=0)
-        source = min((r for r in holders if states[r]["step"] == best), default=0)
-        need_transfer = len(holders) < world or len({s["step"] for s in states}) > 1
+        reports = [
+            MemberReport(int(d["step"]), bool(d["has_state"]), d.get("checksum"))
+            for d in (json.loads(bytes(v)) for v in prefix.multi_get(names))
+        ]
+        plan = plan_recovery(reports, formed=self.store.get(self._formed_key) is not None)
         pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=self.timeout_s))
         self._pg, self.epoch, self.rank, self.world_size = pg, rec, rank, world
         self._pending_change = False
         self._flags = (0.0, 0.0)
-        if need_transfer:
-            self._transfer(source)
+        error = None
+        if plan.load_durable and rank == plan.source:
+            try:
+                self._restore_durable(rec.number, plan.fallback)
+            except CheckpointError as exc:
+                error = str(exc)
+        if plan.transfer:
+            self._transfer(plan.source, error)
+        elif error is not None:
+            raise CheckpointError(error)
+        first = not self.has_state
         self.has_state = True
         self.events.round = self.env.round
         self.events.emit(
@@ -485,14 +496,27 @@ class LiveLoop:
             rank=rank,
             world_size=world,
             step=self.committed,
-            source=source if need_transfer else None,
+            source=plan.source if plan.transfer else None,
+            fallback=plan.fallback,
             checksum=state_checksum(self.model),
             duration_s=round(time.monotonic() - t0, 4),
             reason=reason,
         )
+        if first:
+            # Tells the agent that this worker holds live state (see LiveSupervisor).
+            with contextlib.suppress(OSError):
+                self.env.heartbeat_file.write_text(STATE_MARK + "\n")
+            self.store.put(self._formed_key, str(rec.number).encode())
 
-    def _transfer(self, source: int) -> None:
-        if self.rank == source:
+    def _transfer(self, source: int, error: str | None = None) -> None:
+        """Every member takes ``source``'s state. ``error`` (on the source): it has no
+        state to give; every member raises CheckpointError with that message."""
+        payload = torch.empty(0, dtype=torch.uint8)
+        if self.rank == source and error is not None:
+            blob = error.encode()[:4096]
+            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            size = torch.tensor([-payload.numel()], dtype=torch.int64)
+        elif self.rank == source:
             buf = io.BytesIO()
             torch.save(
                 {
@@ -507,9 +531,15 @@ class LiveLoop:
         else:
             size = torch.zeros(1, dtype=torch.int64)
         self._wait(self._pg.broadcast(size, source))
+        n = int(size.item())
         if self.rank != source:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            payload = torch.empty(abs(n), dtype=torch.uint8)
         self._wait(self._pg.broadcast(payload, source))
+        if n < 0:
+            raise CheckpointError(
+                f"live recovery impossible (rank {source}): "
+                + payload.numpy().tobytes().decode(errors="replace")
+            )
         if self.rank != source:
             state = torch.load(
                 io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True
@@ -532,16 +562,43 @@ class LiveLoop:
             self._ckpt.register("optim", self.optimizer)
         return self._ckpt
 
-    def _load_durable(self) -> None:
-        """No live member holds state (first start, or everyone died): fall back to the
-        newest durable checkpoint, as restart mode would."""
-        if not self.checkpoint_dir:
-            return
-        loaded = self._checkpointer().load()
+    def _restore_durable(self, epoch: int, fallback: str | None) -> None:
+        """Restore the newest durable checkpoint into this (source) member, as restart mode
+        would: at the job's start (a resume), or because live state is lost or inconsistent
+        (``fallback`` says why; then the event log says so).
+
+        Raises:
+            CheckpointError: live state is inconsistent and there is no durable checkpoint
+                to fall back to, or checkpoints exist and none verifies.
+        """
+        loaded = self._checkpointer().load() if self.checkpoint_dir else None
         if loaded is not None:
             self.committed = int(loaded.extra.get("step", loaded.step))
             self.has_state = True
-            self.events.emit("live_fallback", step=self.committed, source="durable checkpoint")
+            source = "durable checkpoint"
+        elif fallback is not None and self.has_state:
+            # The weights in memory were trained past step 0 and some member's differ:
+            # there is nothing trustworthy to continue from.
+            raise CheckpointError(
+                f"{fallback}, and there is no durable checkpoint to fall back to"
+                f" (checkpoint_dir={self.checkpoint_dir!r})"
+            )
+        else:
+            # Fresh processes: their state is the script's initial state, as in a restart
+            # without a checkpoint.
+            self.committed = 0
+            source = "initial state (no durable checkpoint)"
+        if fallback is not None:
+            log.warning(
+                "live fallback in epoch %d: %s; resuming from %s at step %d",
+                epoch,
+                fallback,
+                source,
+                self.committed,
+            )
+            self.events.emit(
+                "live_fallback", epoch=epoch, reason=fallback, step=self.committed, source=source
+            )
 
     def close(self) -> None:
         """Wait for the last durable checkpoint and leave the live protocol. Idempotent."""

@@ -13,7 +13,7 @@ import os
 import runpy
 import sys
 
-import torch  # noqa: F401  (the point of a spare: pay these imports before they are needed)
+import torch  # (the point of a spare: pay these imports before they are needed)
 import torch.distributed  # noqa: F401
 
 import flexrun.train.live  # noqa: F401
@@ -36,6 +36,10 @@ def main() -> int:
             os.close(target)
     os.environ.clear()
     os.environ.update(task["env"])
+    threads = task["env"].get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        # torch sized its thread pool from the spare's environment at import.
+        torch.set_num_threads(int(threads))
     sys.stdin = open(os.devnull)  # noqa: SIM115  (the assignment channel is done)
     entry = task["entry"]
     sys.argv = [entry, *task["args"]]

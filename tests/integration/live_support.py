@@ -1,0 +1,140 @@
+"""Helpers for live-mode integration tests (tests/integration/test_live*.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from support import Procs, read_events, read_progress, wait_for
+
+LIVE_STEPS = Path(__file__).parent / "scripts" / "live_steps.py"
+HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
+
+
+def start_live(  # type: ignore[no-untyped-def]
+    procs: Procs,
+    name: str,
+    *extra: str,
+    steps: int = 60,
+    nproc: int = 4,
+    spares: int = 1,
+    script_args: tuple[str, ...] = (),
+):
+    """Start a one-node live agent on live_steps.py; (agent, its test directory)."""
+    run = procs.tmp / name
+    run.mkdir()
+    agent = procs.start(
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--mode",
+            "live",
+            "--warm-spares",
+            str(spares),
+            "--max-restarts",
+            "10",
+            "--rdzv-conf",
+            HB,
+            "--run-dir",
+            str(run / "run"),
+            *extra,
+            str(LIVE_STEPS),
+            "--steps",
+            str(steps),
+            "--step-time",
+            "0.05",
+            "--progress",
+            str(run / "p.jsonl"),
+            "--out",
+            str(run / "w.pt"),
+            *script_args,
+        ],
+        name=name,
+    )
+    return agent, run
+
+
+def live_workers(run_dir: Path, n: int) -> list[int]:
+    """PIDs of the first ``n`` workers the agent started (from warm spares or fresh), in
+    local-rank order. A spare-based worker's command line names no script: use the events."""
+
+    def find() -> list[int] | None:
+        pids = [e["pid"] for e in read_events(run_dir) if e["event"] == "worker_started"]
+        return pids[:n] if len(pids) >= n else None
+
+    return wait_for(find, 90, f"{n} live workers")  # type: ignore[return-value]
+
+
+def step_rows(run: Path) -> list[dict]:
+    return [r for r in read_progress(run / "p.jsonl") if "step" in r]
+
+
+def wait_step(run: Path, at_least: int) -> None:
+    wait_for(
+        lambda: max((r["step"] for r in step_rows(run)), default=-1) >= at_least,
+        90,
+        f"step {at_least}",
+    )
+
+
+def assert_survivors_agree(run: Path) -> list[dict]:
+    """Every epoch's members report the same model checksum when they join it."""
+    joined = [e for e in read_events(run / "run") if e["event"] == "live_joined"]
+    by_epoch: dict[int, set[str]] = {}
+    for e in joined:
+        by_epoch.setdefault(e["epoch"], set()).add(e["checksum"])
+    assert all(len(sums) == 1 for sums in by_epoch.values()), by_epoch
+    done = [r for r in read_progress(run / "p.jsonl") if r.get("done")]
+    assert len({r["checksum"] for r in done}) == 1, done
+    return joined
+
+
+def assert_at_most_step_in_flight_redone(run: Path, recoveries: int) -> None:
+    per_pid = Counter((r["pid"], r["step"]) for r in step_rows(run))
+    assert max(per_pid.values()) <= 2
+    redone = Counter(pid for (pid, _), n in per_pid.items() if n > 1)
+    assert all(n <= recoveries for n in redone.values()), redone
+
+
+def reference_weights(procs: Procs, steps: int, nproc: int = 4) -> dict[str, torch.Tensor]:
+    agent, run = start_live(procs, "reference", steps=steps, nproc=nproc, spares=0)
+    assert agent.wait(timeout=240) == 0, procs.stderr("reference")[-2000:]
+    return torch.load(run / "w.pt", weights_only=True)
+
+
+def spare_ready(run: Path) -> bool:
+    return any((run / "run").rglob("spare-*.ready"))
+
+
+def assert_every_sample_once_per_data_epoch(
+    rows: list[dict], *, global_batch: int, dataset: int
+) -> None:
+    """The committed execution of each step is the one of its latest epoch; across a data
+    epoch those executions consumed every sample exactly once, whatever the world sizes."""
+    by_step: dict[int, list[dict]] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], []).append(r)
+    per_data_epoch: dict[int, list[int]] = {}
+    for step, rs in sorted(by_step.items()):
+        epoch = max(r["epoch"] for r in rs)
+        ids = [i for r in rs if r["epoch"] == epoch for i in r["ids"]]
+        assert len(ids) == global_batch, (step, len(ids))
+        per_data_epoch.setdefault(step * global_batch // dataset, []).extend(ids)
+    complete = [
+        ids for e, ids in per_data_epoch.items() if (e + 1) * dataset <= len(by_step) * global_batch
+    ]
+    assert complete
+    for ids in complete:
+        assert sorted(ids) == list(range(dataset))
+
+
+def assert_survivors_agree_so_far(run: Path) -> None:
+    events_dir = run / "run" if (run / "run").exists() else run
+    joined = [e for e in read_events(events_dir) if e["event"] == "live_joined"]
+    by_epoch: dict[int, set[str]] = {}
+    for e in joined:
+        by_epoch.setdefault(e["epoch"], set()).add(e["checksum"])
+    assert all(len(s) == 1 for s in by_epoch.values()), by_epoch
