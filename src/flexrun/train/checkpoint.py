@@ -141,12 +141,15 @@ class Checkpointer:
             persist_cpu_share: pace the background persist (serializing, hashing,
                 writing) to about this share of one CPU core: after each 4 MiB piece it
                 rests for the CPU time the piece took times ``1/share - 1``. The default,
-                0.1, kept training steps within 10% of their speed on a 2-core machine
-                whose cores training kept busy (bench/results/checkpoint.txt); a persist
-                then takes about ten times its CPU time (about 7 s for 576 MiB there).
-                ``wait()``, ``close()``, ``load()`` and the next ``save()`` end the
-                pacing, so waiting for a paced persist costs no more than an unpaced one.
-                ``None`` (or 1.0): unpaced, as fast as the machine allows.
+                0.1, is what kept training steps within the 10% target on a 2-core CPU
+                machine whose cores training kept busy (bench/results/checkpoint.txt); a
+                persist then takes roughly ten times its CPU time (there: 576 MiB of
+                model and Adam state, about 1.2 s of CPU, persisted in 10-25 s instead
+                of 3-5 s unpaced). ``wait()``, ``close()``, ``load()`` and the next
+                ``save()`` end the pacing, so waiting for a paced persist costs no more
+                than waiting for an unpaced one; call ``close()`` at the end of training
+                (otherwise the interpreter's exit waits for the paced persist). ``None``
+                (or 1.0): unpaced, as fast as the machine allows.
             persist_max_bytes_s: also cap the background persist's average write rate
                 (None: no cap).
             persist_when_idle: run the background persist under ``SCHED_IDLE`` (Linux), so
