@@ -13,7 +13,17 @@ counted from the first trained step) under:
 
 ETTR is computed one way for all three, from the workload's own step logs: the sum over
 committed steps (the last attempt of each step) of that attempt's duration (earliest
-start to latest end over ranks), divided by the wall time from launch to exit. Each run
+start to latest end over ranks), divided by the wall time from launch (the harness
+starting the store, or torchrun) to exit (every launcher process gone). ETTR(span)
+divides the same productive time by the training span only (the first step's start to
+the last step's end), leaving out start-up and teardown; with it come the start-up and
+teardown seconds and, per kill, the longest pause in committed steps from the last step
+committed before the kill to the next kill (detection + restart + recomputation).
+ETTR(cycle) counts step to step instead: a committed step that follows the previous one
+in the same round counts from the previous step's end, so per-step framework work outside
+the script's step body (live mode's gradient all-reduce and optimizer step run between
+the workload's ``t0`` and ``ts`` of consecutive steps; checkpoint stalls) is productive,
+and only startup, recovery, recomputed work and teardown are lost. Each run
 is bounded by ``--timeout``; a run still going then counts as hung, a non-zero exit as
 died. After each run every invariant of ``flexrun.testing.invariants`` is checked.
 
@@ -41,7 +51,7 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=1800)
     p.add_argument("--step-sleep", type=float, default=0.09)
-    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=420.0, help="per launcher")
     p.add_argument("--launchers", default="restart,live,torchrun")
     p.add_argument("--root", default=None)
@@ -73,6 +83,12 @@ def main() -> int:
             "ettr": st.get("ettr"),
             "wall_s": st.get("wall_s"),
             "productive_s": round(st.get("productive_s", 0.0), 2),
+            "ettr_span": st.get("ettr_span"),
+            "ettr_cycle": st.get("ettr_cycle"),
+            "startup_s": st.get("startup_s"),
+            "span_s": st.get("span_s"),
+            "teardown_s": st.get("teardown_s"),
+            "stall_s": st.get("stall_s"),
             "steps_completed": st.get("steps_committed"),
             "steps_recomputed": st.get("steps_recomputed"),
             "kills": st["faults"].get("kill_worker:done", 0),
@@ -86,15 +102,34 @@ def main() -> int:
         print(f"  {launcher:9s} done in {time.time() - t0:.0f}s: {json.dumps(row)}", flush=True)
     print()
     print(
-        f"{'launcher':10s} {'ETTR':>6s} {'wall s':>7s} {'steps':>6s} {'recomp':>6s} "
-        f"{'kills':>5s} {'survived':>8s} {'hung':>5s} {'died':>5s} violations"
+        f"{'launcher':10s} {'ETTR':>6s} {'wall s':>7s} {'prod s':>7s} {'steps':>6s} "
+        f"{'recomp':>6s} {'kills':>5s} {'survived':>8s} {'hung':>5s} {'died':>5s} violations"
     )
     for r in rows:
         print(
-            f"{r['launcher']:10s} {r['ettr']:6.3f} {r['wall_s']:7.1f} {r['steps_completed']!s:>6s} "
+            f"{r['launcher']:10s} {r['ettr'] or 0:6.3f} {r['wall_s']:7.1f} "
+            f"{r['productive_s']:7.1f} {r['steps_completed']!s:>6s} "
             f"{r['steps_recomputed']!s:>6s} {r['kills']:5d} {r['survived']!s:>8s} "
             f"{r['hung']!s:>5s} {r['died']!s:>5s} {len(r['violations'])}"
         )
+    print()
+    print("where the wall time went (s): launch->first step | training span | last step->exit")
+    print(
+        f"{'launcher':10s} {'startup':>7s} {'span':>7s} {'teardown':>8s} {'ETTR(span)':>10s} "
+        f"{'ETTR(cycle)':>11s}"
+        "  per kill: longest pause in committed steps (s)"
+    )
+    for r in rows:
+        ttp = r["stall_s"] or []
+        mean = sum(ttp) / len(ttp) if ttp else float("nan")
+        print(
+            f"{r['launcher']:10s} {r['startup_s'] or 0:7.1f} {r['span_s'] or 0:7.1f} "
+            f"{r['teardown_s'] or 0:8.1f} {r['ettr_span'] or 0:10.3f} {r['ettr_cycle'] or 0:11.3f}"
+            f"  mean {mean:.2f}: {ttp}"
+        )
+    for r in rows:
+        for v in r["violations"]:
+            print(f"violation {r['launcher']}: {v}")
     (root / "goodput.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"load after: {os.getloadavg()}")
     return 0

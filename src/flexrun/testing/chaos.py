@@ -578,9 +578,23 @@ def run_chaos(spec: JobSpec, faults: list[Fault], *, timeout_s: float) -> inv.Ch
     job = ChaosJob(spec)
     t0 = time.time()
     records = run_faults(job, faults, timeout_s=timeout_s)
-    wall = time.time() - t0
+    t_end = time.time()
+    wall = t_end - t0
     result = check(job, records)
-    result.stats["wall_s"] = round(wall, 3)
-    result.stats["ettr"] = round(result.stats["productive_s"] / wall, 4) if wall > 0 else 0.0
+    st = result.stats
+    st["wall_s"] = round(wall, 3)
+    st["ettr"] = round(st["productive_s"] / wall, 4) if wall > 0 else 0.0
+    first, last = st.pop("first_step_t0", None), st.pop("last_step_ts", None)
+    if first is not None and last is not None:
+        # Where the wall time went: launch to the first step, the training span (first
+        # step's start to last step's end: faults, recovery, recomputation, checkpoints),
+        # and the last step to every process gone.
+        st["startup_s"] = round(first - t0, 3)
+        st["span_s"] = round(last - first, 3)
+        st["teardown_s"] = round(t_end - last, 3)
+        st["ettr_span"] = round(st["productive_s"] / (last - first), 4) if last > first else 0.0
+    st["ettr_cycle"] = round(st["productive_cycle_s"] / wall, 4) if wall > 0 else 0.0
+    done = [r["ts"] for r in records if r.get("outcome") == "done" and "at_s" in r]
+    st["stall_s"] = inv.stalls_after(inv.read_step_logs(spec.root / "steps"), done)
     (spec.root / "check.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result

@@ -195,12 +195,49 @@ def attempt_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
     productive = 0.0
     for lines in attempts.values():
         productive += max(r["ts"] for r in lines) - min(r["t0"] for r in lines)
-    tried = {(r["round"], int(r["step"])) for r in records if "step" in r and "ids" in r}
+    # Step-to-step: a committed step that follows the previous committed step in the same
+    # round counts from that step's end (so the framework's per-step work outside the
+    # script's step body, e.g. live mode's gradient all-reduce and optimizer step, and
+    # checkpoint stalls count as productive); the first step of a round counts from its own
+    # start (the recovery before it is lost time).
+    cycle = 0.0
+    for s, lines in attempts.items():
+        prev = attempts.get(s - 1)
+        end = max(r["ts"] for r in lines)
+        if prev is not None and prev[0]["round"] == lines[0]["round"]:
+            cycle += end - max(r["ts"] for r in prev)
+        else:
+            cycle += end - min(r["t0"] for r in lines)
+    lines = [r for r in records if "step" in r and "ids" in r]
+    tried = {(r["round"], int(r["step"])) for r in lines}
     return {
         "productive_s": productive,
+        "productive_cycle_s": cycle,
         "steps_attempted": len(tried),
         "steps_recomputed": len(tried) - len(attempts),
+        "first_step_t0": min((r["t0"] for r in lines), default=None),
+        "last_step_ts": max((r["ts"] for r in lines), default=None),
     }
+
+
+def stalls_after(records: list[dict[str, Any]], times: Iterable[float]) -> list[float]:
+    """For each time ``t`` (a fault), the longest pause in committed progress from the last
+    step committed by ``t`` until the next time in ``times`` (or the end): detection,
+    restart and recomputation together. A step counts as committed at its committed
+    attempt's end (the latest ``ts`` over ranks), so a step done before ``t`` but redone
+    after it is not progress before ``t``; a step already in flight at ``t`` that still
+    commits does not hide the pause after it."""
+    ends = sorted(max(r["ts"] for r in lines) for lines in committed_attempts(records).values())
+    ts = sorted(times)
+    out = []
+    for i, t in enumerate(ts):
+        stop = ts[i + 1] if i + 1 < len(ts) else float("inf")
+        before = [e for e in ends if e <= t]
+        points = ([before[-1]] if before else []) + [e for e in ends if t < e <= stop]
+        gaps = [b - a for a, b in zip(points, points[1:], strict=False)]
+        if gaps:
+            out.append(round(max(gaps), 3))
+    return out
 
 
 def check_weights(
@@ -335,4 +372,5 @@ __all__ = [
     "read_events",
     "read_jsonl",
     "read_step_logs",
+    "stalls_after",
 ]

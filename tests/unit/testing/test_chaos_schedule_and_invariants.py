@@ -115,3 +115,14 @@ def test_a_resume_behind_a_committed_checkpoint_is_a_lost_checkpoint(tmp_path) -
         str(tmp_path), corrupted={20}, events=events, resumes=resumes, result=result
     )
     assert not any("lost checkpoint" in v.detail for v in result.violations)
+
+
+def test_the_stall_after_a_fault_spans_the_redone_steps_and_ignores_the_step_in_flight() -> None:
+    # At 2.5 only step 1 is committed (step 2's first try at 2.0 was redone at 5.0): the
+    # pause runs from step 1's end (1.0) to step 2's redo (5.0). At 6.5, step 4 (in flight,
+    # committed at 7.0) ends the pause quickly; after 8.0 nothing commits.
+    assert inv.stalls_after(_clean_run(), [6.5, 2.5, 8.0]) == [4.0, 1.0]
+    stats = inv.attempt_stats(_clean_run())
+    assert (stats["first_step_t0"], stats["last_step_ts"]) == (0.9, 7.0)
+    # Step 1 (0.9-1.0), step 2's redo opens round 1 (4.9-5.0), steps 3 and 4 follow it.
+    assert stats["productive_cycle_s"] == pytest.approx(0.1 + 0.1 + 1.0 + 1.0)
