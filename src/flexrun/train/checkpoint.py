@@ -144,8 +144,8 @@ class Checkpointer:
                 0.1, is what kept training steps within the 10% target on a 2-core CPU
                 machine whose cores training kept busy (bench/results/checkpoint.txt); a
                 persist then takes roughly ten times its CPU time (there: 576 MiB of
-                model and Adam state, about 1.2 s of CPU, persisted in 10-25 s instead
-                of 3-5 s unpaced). ``wait()``, ``close()``, ``load()`` and the next
+                model and Adam state, about 1.2 s of CPU, persisted in 13-22 s instead
+                of 4-5 s unpaced). ``wait()``, ``close()``, ``load()`` and the next
                 ``save()`` end the pacing, so waiting for a paced persist costs no more
                 than waiting for an unpaced one; call ``close()`` at the end of training
                 (otherwise the interpreter's exit waits for the paced persist). ``None``
