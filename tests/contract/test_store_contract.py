@@ -173,3 +173,52 @@ def test_wait_for_change_sees_a_write_that_happened_before_the_call(store: Store
     store.put("watched/y", b"1")
     changed, _ = store.wait_for_change("watched/", since, timeout_s=5)
     assert changed
+
+
+def test_repeated_get_prefix_sees_every_write_and_delete_since_the_last(store: Store) -> None:
+    store.put("job/nodes/a", b"A")
+    store.put("job/nodes/b", b"B")
+    assert set(store.get_prefix("job/nodes/")) == {"job/nodes/a", "job/nodes/b"}
+    store.put("job/nodes/c", b"C")
+    store.put("job/nodes/a", b"A2")
+    store.put("job/elsewhere", b"E")
+    got = store.get_prefix("job/nodes/")
+    assert {k: e.value for k, e in got.items()} == {
+        "job/nodes/a": b"A2",
+        "job/nodes/b": b"B",
+        "job/nodes/c": b"C",
+    }
+    assert got["job/nodes/a"].revision == store.get("job/nodes/a").revision  # type: ignore[union-attr]
+    store.delete("job/nodes/b")
+    assert set(store.get_prefix("job/nodes/")) == {"job/nodes/a", "job/nodes/c"}
+    store.delete("job/nodes/a")
+    store.put("job/nodes/d", b"D")  # a delete and a create between two reads
+    assert set(store.get_prefix("job/nodes/")) == {"job/nodes/c", "job/nodes/d"}
+    store.put("job/nodes/b", b"B2")  # re-created
+    assert store.get_prefix("job/nodes/")["job/nodes/b"].value == b"B2"
+
+
+def test_a_keep_alive_key_reads_back_exactly_what_was_written(store: Store) -> None:
+    store.put("hb/a", b"payload\n with a newline", ttl_s=30)
+    assert store.get("hb/a").value == b"payload\n with a newline"  # type: ignore[union-attr]
+    assert store.get_prefix("hb/")["hb/a"].value == b"payload\n with a newline"
+
+
+@pytest.mark.parametrize("key", ["watched/deeper/x", "watched/ep"])
+def test_wait_for_change_wakes_on_a_write_in_a_subdirectory_or_a_partial_name(
+    store: Store, key: str
+) -> None:
+    prefix, decoy = ("watched/", "elsewhere/x") if "deeper" in key else ("watched/e", "watched/o")
+    since = store.revision()
+
+    def writer() -> None:
+        time.sleep(0.3)
+        store.put(decoy, b"1")  # not under the prefix: must not count as the change
+        store.put(key, b"1")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    changed, _ = store.wait_for_change(prefix, since, timeout_s=20)
+    t.join()
+    assert changed
+    assert store.get(key) is not None

@@ -25,10 +25,11 @@ Keep-alive keys. Each key written with ``ttl_s`` gets its own lease (TTL rounded
 whole seconds, as etcd requires), refreshed with a keep-alive on every write of the key
 and re-granted once expired: a dead node's keys vanish when its lease expires. etcd
 checks expiry every 500 ms and has a minimum TTL, so readers additionally judge
-freshness as the tcp store does: the exact ``ttl_s`` is recorded under
-``__flexrun/lease/<id>`` (attached to the same lease) and a key whose ``mod_revision`` this
-client has seen unchanged for ``ttl_s`` counts as absent. Keys under ``__flexrun/`` are
-never returned by :meth:`EtcdStore.get_prefix`.
+freshness as the tcp store does: the exact ``ttl_s`` travels in the value itself (a
+``\0ttl=<seconds>\n`` header on keys written with a lease, stripped on read, so judging
+a key costs no extra request) and a key whose ``mod_revision`` this client has seen
+unchanged for ``ttl_s`` counts as absent. Keys under ``__flexrun/`` are never returned
+by :meth:`EtcdStore.get_prefix`.
 
 Options (``--rdzv-conf k=v,...``; anything else is rejected):
 
@@ -72,9 +73,10 @@ if TYPE_CHECKING:  # the store layer takes settings from above but never imports
     from flexrun.config import StoreSettings
 
 _INTERNAL = "__flexrun/"
-_LEASE_META = "__flexrun/lease/"
+_TTL_HEADER = b"\0ttl="
 _REV_PROBE = "__flexrun/rev"
 _ATTEMPT_S = 1.0
+SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
 OPTIONS = ("cacert", "cert", "key", "tls", "user", "password", "request_timeout")
 
 T = TypeVar("T")
@@ -170,10 +172,11 @@ class EtcdStore:
         self._closed = False
         # key -> (lease id, ttl_s) for keep-alive keys this client writes
         self._leases: dict[str, tuple[int, float]] = {}
-        # lease id -> exact ttl_s (None: not a flexrun lease, or gone)
-        self._lease_ttl: dict[int, float | None] = {}
         # key -> (mod_revision, monotonic time this client first saw it)
         self._seen: dict[str, tuple[int, float]] = {}
+        # prefix -> (revision, key (base64) -> kv): the last get_prefix, brought up to date
+        # by the next one with only the keys modified since
+        self._snapshots: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
         self._connect(connect_timeout_s)
 
     @classmethod
@@ -375,33 +378,23 @@ class EtcdStore:
             self._token_gen += 1
 
     # -- leases and freshness ------------------------------------------------------------
-    def _ttl_of(self, lease: int) -> float | None:
-        with self._lock:
-            if lease in self._lease_ttl:
-                return self._lease_ttl[lease]
-        kvs = self._range(f"{_LEASE_META}{lease:x}")[1]
-        ttl = float(_unb64(kvs[0].get("value")).decode()) if kvs else None
-        with self._lock:
-            if len(self._lease_ttl) > 4096:
-                self._lease_ttl.clear()
-            self._lease_ttl[lease] = ttl
-        return ttl
-
     def _entry(self, kv: Mapping[str, Any]) -> tuple[str, Entry] | None:
         key = _unb64(kv.get("key")).decode()
         rev = int(kv.get("mod_revision", 0))
-        entry = Entry(_unb64(kv.get("value")), rev)
-        lease = int(kv.get("lease", 0))
-        if lease:
-            ttl = self._ttl_of(lease)
-            if ttl is not None:
-                now = self._clock.monotonic()
-                with self._lock:
-                    seen = self._seen.get(key)
-                    if seen is None or seen[0] != rev:
-                        self._seen[key] = (rev, now)
-                    elif now - seen[1] >= ttl:
-                        return None
+        value = _unb64(kv.get("value"))
+        ttl: float | None = None
+        if int(kv.get("lease", 0)) and value.startswith(_TTL_HEADER):
+            header, _, value = value.partition(b"\n")
+            ttl = float(header[len(_TTL_HEADER) :])
+        entry = Entry(value, rev)
+        if ttl is not None:
+            now = self._clock.monotonic()
+            with self._lock:
+                seen = self._seen.get(key)
+                if seen is None or seen[0] != rev:
+                    self._seen[key] = (rev, now)
+                elif now - seen[1] >= ttl:
+                    return None
         return key, entry
 
     def _range(self, key: str, range_end: bytes | None = None) -> tuple[int, list[dict[str, Any]]]:
@@ -417,20 +410,8 @@ class EtcdStore:
         lease = int(result.get("ID", 0))
         if not lease:
             raise StoreError(f"etcd did not grant a lease: {result.get('error', result)}")
-        self._call(
-            lambda c: self._post(
-                c,
-                "/kv/put",
-                {
-                    "key": _b64(f"{_LEASE_META}{lease:x}"),
-                    "value": _b64(repr(float(ttl_s))),
-                    "lease": lease,
-                },
-            )
-        )
         with self._lock:
             self._leases[key] = (lease, ttl_s)
-            self._lease_ttl[lease] = ttl_s
         return lease
 
     def _lease_for(self, key: str, ttl_s: float) -> int:
@@ -456,9 +437,49 @@ class EtcdStore:
         return got[1] if got is not None else None
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
-        _, kvs = self._range(prefix or "\0", _range_end(prefix))
+        """Every live key under ``prefix``. A repeated call asks etcd only for the keys
+        modified since the last one (``min_mod_revision``) and, in the same transaction,
+        how many keys there are: if that count says some were deleted, it reads all."""
+        with self._lock:
+            snap = self._snapshots.get(prefix)
+        bkey, bend = _b64(prefix or "\0"), _b64(_range_end(prefix))
+        kvs_by_key: dict[str, dict[str, Any]] | None = None
+        if snap is not None:
+            since, cached = snap
+            txn = {
+                "compare": [],
+                "success": [
+                    {
+                        "request_range": {
+                            "key": bkey,
+                            "range_end": bend,
+                            "min_mod_revision": since + 1,
+                        }
+                    },
+                    {"request_range": {"key": bkey, "range_end": bend, "count_only": True}},
+                ],
+            }
+            result = self._call(lambda c: self._post(c, "/kv/txn", txn))
+            at = int(result.get("header", {}).get("revision", 0))
+            responses = result.get("responses") or [{}, {}]
+            changed = responses[0].get("response_range", {}).get("kvs", [])
+            count = int(responses[-1].get("response_range", {}).get("count", 0))
+            merged = dict(cached)
+            for kv in changed:
+                merged[kv.get("key", "")] = kv
+            if len(merged) == count and at >= since:  # nothing deleted since (docstring)
+                kvs_by_key = merged
+        if kvs_by_key is None:
+            at, kvs = self._range(prefix or "\0", _range_end(prefix))
+            kvs_by_key = {kv.get("key", ""): kv for kv in kvs}
+        with self._lock:
+            old = self._snapshots.get(prefix)
+            if old is None or old[0] <= at:
+                self._snapshots[prefix] = (at, kvs_by_key)
+                if len(self._snapshots) > SNAPSHOTS:
+                    del self._snapshots[next(iter(self._snapshots))]
         out: dict[str, Entry] = {}
-        for kv in kvs:
+        for kv in kvs_by_key.values():
             got = self._entry(kv)
             if got is not None and not got[0].startswith(_INTERNAL):
                 out[got[0]] = got[1]
@@ -470,6 +491,8 @@ class EtcdStore:
             with self._lock:
                 self._leases.pop(key, None)
         else:
+            header = _TTL_HEADER + repr(float(ttl_s)).encode() + b"\n"
+            payload["value"] = _b64(header + bytes(value))
             payload["lease"] = self._lease_for(key, ttl_s)
 
         def op(c: Etcd3Client) -> dict[str, Any]:

@@ -13,9 +13,22 @@ revision inside makes it a compare-and-set on revisions. Deletes write a tombsto
 under a reader.
 
 Change notification. After each write attempt the writer sets ``__flexrun/ev/<rev>`` to
-the key it wrote (empty if the CAS lost). A watcher that has seen revision ``R`` waits
-with ``TCPStore.wait`` for ``ev/<R+1>`` to exist: a blocking server-side wait, no
-polling. Old event keys are deleted once they fall ``EVENT_WINDOW`` revisions behind.
+the key it wrote (empty if the CAS lost): the event log, read in batches by watchers to
+learn which keys changed. Old event keys are deleted once they fall ``EVENT_WINDOW``
+revisions behind. A write of ``a/b/c`` then rings the *channel* of each directory above
+the key (``a/`` and ``a/b/``) that someone watches: a per-directory counter
+``__flexrun/chn/<dir>`` (``add``) and a key ``__flexrun/ch/<dir><n>`` that the write
+creates. Watched directories are listed in one small key, ``__flexrun/watched``, which a
+watcher extends (compare-and-set) the first time it watches a directory and every writer
+reads, so a write rings only directories somebody waits on (a keep-alive under ``hb/``
+rings nothing when only ``s/`` is watched). A watcher of prefix ``p`` registers ``p``'s
+directory, reads its counter ``n``, scans the event log since its revision, and if
+nothing under ``p`` changed waits with ``TCPStore.wait`` for ``ch/<dir><n+1>`` to exist:
+a blocking server-side wait, no polling, that writes elsewhere (another job, the
+keep-alives while the watcher watches ``s/``) do not wake. A writer logs its event, then
+reads the list, then rings: one that read the list before the watcher registered, or
+rang before the watcher read the counter, logged its event before the watcher scans the
+log, which finds it. A prefix with no ``/`` waits on the event log itself.
 
 Keep-alive keys are judged by each reader: a key written with ``ttl_s`` is absent once
 this client has seen its revision unchanged for ``ttl_s`` seconds of its own monotonic
@@ -36,9 +49,16 @@ from flexrun.store.api import Entry
 
 _REV_KEY = "__flexrun/rev"
 _EV_PREFIX = "__flexrun/ev/"
+_CH_COUNT = "__flexrun/chn/"
+_EPOCH_KEY = "__flexrun/epoch"
+_WATCHED_KEY = "__flexrun/watched"
+_CH_PREFIX = "__flexrun/ch/"
 EVENT_WINDOW = 1024
+CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
+SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
+WAIT_STEP_S = 5.0  # longest single server-side wait (bounds a ring lost by a dead writer)
 IN_FLIGHT_S = 1.0
-_RECENT = 16  # how many of the newest revisions may still be in flight
+_RECENT = 256  # how many of the newest revisions may still be in flight
 _TOMBSTONE = b"x"
 
 
@@ -106,6 +126,16 @@ def _encode(rev: int, ttl_s: float | None, payload: bytes) -> bytes:
     return f"{rev} {ttl}\n".encode() + payload
 
 
+def _dirs(key: str) -> list[str]:
+    """The directories above ``key`` (``a/b/c`` -> ``a/``, ``a/b/``): the channels it rings."""
+    return [key[: i + 1] for i, ch in enumerate(key) if ch == "/"]
+
+
+def _dir_of(prefix: str) -> str:
+    """The directory whose channel rings for every key under ``prefix`` ("" for none)."""
+    return prefix[: prefix.rfind("/") + 1]
+
+
 def _decode(raw: bytes) -> tuple[int, float | None, bytes | None]:
     header, _, payload = raw.partition(b"\n")
     rev_s, _, ttl_s = header.decode().partition(" ")
@@ -138,6 +168,10 @@ class TcpStore:
         self._seen: dict[str, tuple[int, float]] = {}
         # revision -> when this client first saw it taken but not yet written
         self._in_flight: dict[int, float] = {}
+        # prefix -> (revision, key -> raw value): the last get_prefix, brought up to date
+        # from the event log by the next one (only keys written since are fetched)
+        # (the store's epoch is in it: a restarted server has lost the keys it names)
+        self._snapshots: dict[str, tuple[bytes, int, dict[str, bytes]]] = {}
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
@@ -179,11 +213,47 @@ class TcpStore:
     def _next_rev(self) -> int:
         return int(self._call(self._c().add, _REV_KEY, 1))
 
-    def _notify(self, rev: int, key: str) -> None:
+    def _notify(self, rev: int, key: str, *, logged: bool = False) -> None:
+        """Log the write of ``key`` at ``rev`` (unless ``logged``), then ring its channels."""
         c = self._c()
-        self._call(c.set, f"{_EV_PREFIX}{rev}", key)
+        if not logged:
+            self._call(c.set, f"{_EV_PREFIX}{rev}", key)
         if rev > EVENT_WINDOW:
             self._call(c.delete_key, f"{_EV_PREFIX}{rev - EVENT_WINDOW}")
+        if not key:
+            return
+        # Only after the event is logged: read which directories are watched, ring those.
+        watched = set(self._watched().split(b"\n"))
+        dirs = [d for d in _dirs(key) if d.encode() in watched]
+        if not dirs:
+            return
+        rings = [int(self._call(c.add, f"{_CH_COUNT}{d}", 1)) for d in dirs]
+        self._call(
+            c.multi_set,
+            [f"{_CH_PREFIX}{d}{n}" for d, n in zip(dirs, rings, strict=True)],
+            [b""] * len(dirs),
+        )
+        for d, n in zip(dirs, rings, strict=True):
+            if n > CHANNEL_WINDOW:
+                self._call(c.delete_key, f"{_CH_PREFIX}{d}{n - CHANNEL_WINDOW}")
+
+    def _watched(self) -> bytes:
+        """The list of watched directories (one request; creates it empty if absent)."""
+        return bytes(self._call(self._c().compare_set, _WATCHED_KEY, b"", b""))
+
+    def _watch(self, directory: str) -> None:
+        """Add ``directory`` to the watched list unless it is there (before any read)."""
+        name = directory.encode()
+        current = self._watched()
+        for _ in range(1000):  # each lost race means another watcher registered
+            if name in current.split(b"\n"):
+                return
+            new = current + b"\n" + name if current else name
+            got = bytes(self._call(self._c().compare_set, _WATCHED_KEY, current, new))
+            if got == new:
+                return
+            current = got
+        raise StoreUnavailable("could not register a watch (the watched list keeps changing)")
 
     def _raw(self, key: str) -> bytes | None:
         c = self._c()
@@ -212,26 +282,72 @@ class TcpStore:
         return self._live(key, self._raw(key))
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
+        """Every live key under ``prefix``; a repeated call fetches only what was written
+        since the last one (the event log names those keys), not every key again."""
         c = self._c()
-        keys = sorted(
-            k
-            for k in self._call(c.list_keys)
-            if k.startswith(prefix) and not k.startswith("__flexrun/")
-        )
-        if not keys:
-            return {}
-        raws = self._call(c.multi_get, keys)
+        at = self.revision()  # every write up to here has landed and is logged
+        with self._seen_lock:
+            snap = self._snapshots.get(prefix)
+        raws: dict[str, bytes] | None = None
+        epoch = b""
+        if snap is not None and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
+            epoch = snap[0]
+            raws = self._catch_up(prefix, snap, at)
+        if raws is None:
+            # This server's epoch: created by the first reader, gone if the server restarts.
+            epoch = bytes(self._call(c.compare_set, _EPOCH_KEY, b"", os.urandom(8).hex().encode()))
+            keys = sorted(
+                k
+                for k in self._call(c.list_keys)
+                if k.startswith(prefix) and not k.startswith("__flexrun/")
+            )
+            values = self._call(c.multi_get, keys) if keys else []
+            raws = {k: bytes(v) for k, v in zip(keys, values, strict=True)}
+        with self._seen_lock:
+            old = self._snapshots.get(prefix)
+            if old is None or old[1] <= at:
+                self._snapshots[prefix] = (epoch, at, raws)
+                if len(self._snapshots) > SNAPSHOTS:
+                    del self._snapshots[next(iter(self._snapshots))]
         out = {}
-        for key, raw in zip(keys, raws, strict=True):
-            entry = self._live(key, bytes(raw))
+        for key in sorted(raws):
+            entry = self._live(key, raws[key])
             if entry is not None:
                 out[key] = entry
         return out
 
+    def _catch_up(
+        self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
+    ) -> dict[str, bytes] | None:
+        """A snapshot's keys updated to revision ``at``; None: the log cannot tell."""
+        c = self._c()
+        epoch, since, raws = snap
+        names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in range(since + 1, at + 1)]
+        if not self._call(c.check, names):
+            return None  # a restarted server, a revision abandoned by a dead writer
+        got = self._call(c.multi_get, names)
+        if bytes(got[0]) != epoch:
+            return None  # a restarted server that has been written to since
+        logged = {bytes(k).decode() for k in got[1:]}
+        changed = sorted(
+            k for k in logged if k and k.startswith(prefix) and not k.startswith("__flexrun/")
+        )
+        if not changed:
+            return raws
+        out = dict(raws)
+        for key, raw in zip(changed, self._call(c.multi_get, changed), strict=True):
+            out[key] = bytes(raw)
+        return out
+
     def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
         rev = self._next_rev()
-        self._call(self._c().set, key, _encode(rev, ttl_s, bytes(value)))
-        self._notify(rev, key)
+        # One request sets the value and logs the event (the server applies them in order).
+        self._call(
+            self._c().multi_set,
+            [key, f"{_EV_PREFIX}{rev}"],
+            [_encode(rev, ttl_s, bytes(value)), key.encode()],
+        )
+        self._notify(rev, key, logged=True)
         return rev
 
     def compare_and_set(
@@ -259,8 +375,10 @@ class TcpStore:
         if raw is None or _decode(raw)[2] is None:
             return
         rev = self._next_rev()
-        self._call(self._c().set, key, f"{rev} x\n".encode())
-        self._notify(rev, key)
+        self._call(
+            self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [f"{rev} x\n".encode(), key.encode()]
+        )
+        self._notify(rev, key, logged=True)
 
     def revision(self) -> int:
         """The highest revision below which every write has landed.
@@ -270,24 +388,45 @@ class TcpStore:
         and a watch from there would skip it; so report the revision just below the oldest
         write still in flight (one abandoned for IN_FLIGHT_S by a dead writer is ignored).
         """
-        c = self._c()
-        current = int(self._call(c.add, _REV_KEY, 0))
-        lo = max(1, current - _RECENT + 1)
-        names = [f"{_EV_PREFIX}{r}" for r in range(lo, current + 1)]
-        if not names or self._call(c.check, names):
-            return current
+        current = int(self._call(self._c().add, _REV_KEY, 0))
+        return self._logged_up_to(max(1, current - _RECENT + 1), current, self._in_flight)
+
+    def _logged_up_to(self, lo: int, hi: int, in_flight: dict[int, float]) -> int:
+        """The highest ``r <= hi`` such that every revision in ``lo..r`` is logged (or
+        abandoned: taken but not logged for IN_FLIGHT_S); ``lo - 1`` if none is."""
         now = self._clock.monotonic()
-        for r, name in zip(range(lo, current + 1), names, strict=True):
-            if self._call(c.check, [name]):
-                continue
+        while lo <= hi:
+            r = self._first_unlogged(lo, hi)
+            if r is None:
+                return hi
             with self._seen_lock:
-                first = self._in_flight.setdefault(r, now)
-                if len(self._in_flight) > 4 * _RECENT:
-                    for old in sorted(self._in_flight)[: 2 * _RECENT]:
-                        del self._in_flight[old]
+                first = in_flight.setdefault(r, now)
+                if len(in_flight) > 4 * _RECENT:
+                    for old in sorted(in_flight)[: 2 * _RECENT]:
+                        del in_flight[old]
             if now - first < IN_FLIGHT_S:
                 return r - 1
-        return current
+            lo = r + 1  # abandoned by a writer that died between taking and logging it
+        return hi
+
+    def _first_unlogged(self, lo: int, hi: int) -> int | None:
+        """The oldest revision in ``lo..hi`` not in the event log, None if all are: one
+        request when all are logged, a bisection (log2 of the range) otherwise."""
+        c = self._c()
+
+        def logged(a: int, b: int) -> bool:
+            return bool(self._call(c.check, [f"{_EV_PREFIX}{r}" for r in range(a, b + 1)]))
+
+        if hi < lo or logged(lo, hi):
+            return None
+        a, b = lo, hi  # the first unlogged lies in a..b
+        while a < b:
+            mid = (a + b) // 2
+            if logged(a, mid):
+                a = mid + 1
+            else:
+                b = mid
+        return a
 
     def wait_for_change(
         self, prefix: str, since_revision: int, timeout_s: float
@@ -295,32 +434,44 @@ class TcpStore:
         deadline = self._clock.monotonic() + timeout_s
         seen = since_revision
         c = self._c()
-        # A revision is taken (``add``) before its write lands and its event key is set:
-        # until then it is in flight, and skipping it would miss that write. A writer that
-        # died in between never sets it: after IN_FLIGHT_S it counts as abandoned.
+        channel = _dir_of(prefix)
+        if channel:
+            self._watch(channel)
         in_flight: dict[int, float] = {}
+        last_ring = -1
         while True:
-            current = self.revision()
+            # Read the ring count *before* the log: a write logged after this read rings
+            # a number above it, one logged before is found in the log.
+            ring = int(self._call(c.add, f"{_CH_COUNT}{channel}", 0)) if channel else 0
+            current = int(self._call(c.add, _REV_KEY, 0))
             if current - seen > EVENT_WINDOW:
-                return True, current  # too far behind to tell: report a change
-            for r in range(seen + 1, current + 1):
-                name = f"{_EV_PREFIX}{r}"
-                if self._call(c.check, [name]):
-                    key = bytes(self._call(c.get, name)).decode()
-                    if key and key.startswith(prefix):
-                        return True, current
-                    seen = r
-                    continue
-                first = in_flight.setdefault(r, self._clock.monotonic())
-                if self._clock.monotonic() - first < IN_FLIGHT_S:
-                    break
-                seen = r  # abandoned by a writer that died between add and notify
+                return True, self.revision()  # too far behind to tell: report a change
+            complete = self._logged_up_to(seen + 1, current, in_flight)
+            if complete > seen:
+                names = [f"{_EV_PREFIX}{r}" for r in range(seen + 1, complete + 1)]
+                if not self._call(c.check, names):
+                    # An abandoned revision in the range: read the logged ones one by one.
+                    names = [n for n in names if self._call(c.check, [n])]
+                keys = [bytes(v).decode() for v in self._call(c.multi_get, names)] if names else []
+                if any(k and k.startswith(prefix) for k in keys):
+                    return True, self.revision()
+                seen = complete
             remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
                 return False, seen
-            step = min(remaining, 5.0 if seen >= current else IN_FLIGHT_S)
+            rung, last_ring = last_ring < ring, ring  # the first pass counts as rung
+            if channel and (seen >= current or not rung):
+                # Logs read up to a write still in flight (if any): a write under the
+                # prefix behind it rang before this read, so the channel alone could miss
+                # it; bound the wait by IN_FLIGHT_S then, and read the log again.
+                step = WAIT_STEP_S if seen >= current else IN_FLIGHT_S
+                name, step = f"{_CH_PREFIX}{channel}{ring + 1}", min(remaining, step)
+            else:
+                # Rung, but the write is behind one in flight: follow the log to it.
+                name = f"{_EV_PREFIX}{seen + 1}"
+                step = min(remaining, WAIT_STEP_S if seen >= current else IN_FLIGHT_S)
             try:
-                c.wait([f"{_EV_PREFIX}{seen + 1}"], timedelta(seconds=step))
+                c.wait([name], timedelta(seconds=step))
             except RuntimeError as exc:
                 if type(exc).__name__ == "DistNetworkError" or "timeout" not in str(exc).lower():
                     raise self._broken(exc) from exc

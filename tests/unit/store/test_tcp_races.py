@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from flexrun.errors import StoreUnavailable
 from flexrun.store.tcp import TcpStore, TcpStoreServer, _encode
 
 
@@ -52,4 +53,83 @@ def test_a_revision_abandoned_by_a_dead_writer_does_not_block_later_changes() ->
         assert changed
     finally:
         store.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_writes_in_another_directory_do_not_wake_a_watcher() -> None:
+    """Keep-alives under ``hb/`` must not cost every watcher of ``s/`` a round of reads."""
+    server = TcpStoreServer("127.0.0.1", 0)
+    writer = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    watcher = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    calls: list[str] = []
+    call = watcher._call
+
+    def counted(fn: object, *args: object) -> object:
+        calls.append(getattr(fn, "__name__", "?"))
+        return call(fn, *args)
+
+    watcher._call = counted  # type: ignore[method-assign]
+    try:
+        since = watcher.revision()
+        done = threading.Event()
+
+        def beats() -> None:
+            for _ in range(40):
+                writer.put("job/hb/a", b"1", ttl_s=30)
+            writer.put("job/s/nodes/a", b"A")
+            done.set()
+
+        t = threading.Thread(target=beats)
+        calls.clear()
+        t.start()
+        changed, _ = watcher.wait_for_change("job/s/", since, timeout_s=20)
+        t.join()
+        assert done.is_set() and changed
+        # Woken once by the write under s/ (a handful of requests), not 40 times.
+        assert len(calls) < 40, calls
+        # And a keep-alive rings no channel nobody watches: value + event, watched list.
+        writer_calls: list[str] = []
+        wcall = writer._call
+
+        def wcounted(fn: object, *args: object) -> object:
+            writer_calls.append(getattr(fn, "__name__", "?"))
+            return wcall(fn, *args)
+
+        writer._call = wcounted  # type: ignore[method-assign]
+        writer.put("job/hb/a", b"1", ttl_s=30)
+        assert len(writer_calls) <= 3, writer_calls
+        writer_calls.clear()
+        writer.put("job/s/nodes/b", b"B")  # rings job/s/ (watched), not job/ or job/s/nodes/
+        assert writer_calls.count("add") == 2, writer_calls
+    finally:
+        watcher.close()
+        writer.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_server_does_not_resurrect_keys_from_a_cached_read() -> None:
+    server = TcpStoreServer("127.0.0.1", 0)
+    port = server.port
+    client = TcpStore("127.0.0.1", port, connect_timeout_s=5)
+    try:
+        client.put("job/nodes/old", b"1")
+        assert set(client.get_prefix("job/nodes/")) == {"job/nodes/old"}
+        server.close()
+        del server
+        server = TcpStoreServer("127.0.0.1", port)  # same port, empty: its counter restarts
+        deadline = time.monotonic() + 10
+        while True:  # the client reconnects on its next call
+            try:
+                client.put("job/nodes/new", b"2")
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        for i in range(5):  # the new server's revision passes the one the cached read was at
+            client.put(f"job/other/{i}", b"x")
+        assert set(client.get_prefix("job/nodes/")) == {"job/nodes/new"}
+    finally:
+        client.close()
         server.close()
