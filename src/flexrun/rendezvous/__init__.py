@@ -1,6 +1,16 @@
 """Membership rounds over a store: join, keep-alive, rank assignment, loss and scale-up."""
 
-from flexrun.rendezvous.decide import Exit, Propose, Run, Stop, View, Wait, decide, next_round
+from flexrun.rendezvous.decide import (
+    Exit,
+    Propose,
+    Run,
+    Stop,
+    View,
+    Wait,
+    decide,
+    next_round,
+    watches_membership,
+)
 from flexrun.rendezvous.handler import RendezvousHandler
 from flexrun.rendezvous.state import Keys, MasterRecord, Member, NodeRecord, RoundRecord
 
@@ -19,4 +29,5 @@ __all__ = [
     "Wait",
     "decide",
     "next_round",
+    "watches_membership",
 ]

@@ -116,6 +116,22 @@ def next_round(
     return RoundRecord(number, RUNNING, tuple(members), restarts, reason, 0, cause)
 
 
+def watches_membership(view: View) -> bool:
+    """Whether this agent must be woken by every node record that changes.
+
+    One watcher suffices: the alive node that joined first (it proposes a round as soon
+    as one can form); every other agent watches only the round record and reads the node
+    records when it steps anyway (at least every monitor interval). Which agent decides
+    is unchanged (any may propose; compare-and-set picks one), so this affects only how
+    soon an agent looks, never what it decides. An agent that does not see itself alive
+    watches everything, to be safe.
+    """
+    if view.me not in view.alive:
+        return True
+    first = min(view.alive, key=lambda n: (view.alive[n][1], n))
+    return first == view.me
+
+
 def decide(view: View, settings: RendezvousSettings) -> Action:
     """The next thing this agent should do."""
     r = view.round

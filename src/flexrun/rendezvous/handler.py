@@ -17,7 +17,15 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.config import RendezvousSettings
 from flexrun.errors import RendezvousTimeout, StoreError
 from flexrun.observe.events import EventLog
-from flexrun.rendezvous.decide import Action, Propose, View, Wait, decide, next_round
+from flexrun.rendezvous.decide import (
+    Action,
+    Propose,
+    View,
+    Wait,
+    decide,
+    next_round,
+    watches_membership,
+)
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
@@ -64,6 +72,7 @@ class RendezvousHandler:
         self._settle_until = 0.0
         self._round_rev = 0
         self._since_rev = 0
+        self._watch_all = True  # see watches_membership
         self._alive_set: frozenset[str] = frozenset()
         self._candidates_since = clock.monotonic()
         self._joined_at = clock.monotonic()
@@ -174,6 +183,7 @@ class RendezvousHandler:
             candidates_since=self._candidates_since,
             settle_until=self._settle_until,
         )
+        self._watch_all = watches_membership(view)
         action = decide(view, self.settings)
         if isinstance(action, Propose):
             self._propose(action)
@@ -212,9 +222,17 @@ class RendezvousHandler:
             )
         return ok
 
+    def watched_prefix(self) -> str:
+        """What :meth:`wait` waits on: all rendezvous state, or only the round record."""
+        return self.keys.watched if self._watch_all else self.keys.round_dir
+
     def wait(self, timeout_s: float) -> bool:
-        """Block until the watched state may have changed, or ``timeout_s``."""
-        changed, _ = self.store.wait_for_change(self.keys.watched, self._since_rev, timeout_s)
+        """Block until the watched state may have changed, or ``timeout_s``.
+
+        Only the agent that watches membership is woken by node records; the others by
+        the round record (or the timeout, after which the caller steps anyway).
+        """
+        changed, _ = self.store.wait_for_change(self.watched_prefix(), self._since_rev, timeout_s)
         return changed
 
     # -- per-round master address ----------------------------------------------------------
@@ -271,10 +289,22 @@ class RendezvousHandler:
             restarts = rnd.restarts + 1
             if restarts > self.settings.max_restarts:
                 code = int(root_cause.get("exit_code") or 1)
-                rec = RoundRecord(rnd.number + 1, FAILED, (), restarts, "restarts_exhausted", code, dict(root_cause))
+                rec = RoundRecord(
+                    rnd.number + 1,
+                    FAILED,
+                    (),
+                    restarts,
+                    "restarts_exhausted",
+                    code,
+                    dict(root_cause),
+                )
             else:
-                rec = RoundRecord(rnd.number, RUNNING, rnd.members, restarts, rnd.reason, 0, rnd.root_cause)
-            ok, _ = self.store.compare_and_set(self.keys.round, rec.encode(), expected_revision=self._round_rev)
+                rec = RoundRecord(
+                    rnd.number, RUNNING, rnd.members, restarts, rnd.reason, 0, rnd.root_cause
+                )
+            ok, _ = self.store.compare_and_set(
+                self.keys.round, rec.encode(), expected_revision=self._round_rev
+            )
             if ok:
                 return rec
 

@@ -4,13 +4,16 @@ Owns the key layout and (de)serialisation; no store I/O and no decisions here.
 
 Layout under ``flexrun/<run_id>/``:
 
-- ``s/round``            the current :class:`RoundRecord`, changed only by compare-and-set
+- ``s/round/current``    the current :class:`RoundRecord`, changed only by compare-and-set
 - ``s/nodes/<node_id>``  a :class:`NodeRecord` per joined node (deleted on graceful leave)
 - ``s/master/<round>``   the rank-0 node's fresh ``MASTER_ADDR``/``MASTER_PORT`` for that round
 - ``hb/<node_id>``       the node's keep-alive (a key with a TTL, refreshed every interval)
 
 Everything agents watch lives under ``s/``; keep-alives live apart so that they do not
-wake every watcher every second.
+wake every watcher every second. The round has a directory of its own so that an agent
+can watch it alone (stores that notify per directory then do not wake it for each node
+that joins): only one agent at a time watches the node records (see
+:func:`flexrun.rendezvous.decide.watches_membership`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class Keys:
     def __init__(self, run_id: str) -> None:
         self.root = f"flexrun/{run_id}/"
         self.watched = self.root + "s/"
-        self.round = self.watched + "round"
+        self.round_dir = self.watched + "round/"
+        self.round = self.round_dir + "current"
         self.nodes = self.watched + "nodes/"
         self.heartbeats = self.root + "hb/"
 

@@ -56,3 +56,32 @@ def test_a_silent_node_is_dropped_after_the_heartbeat_timeout() -> None:
     act = a.step(1)
     assert isinstance(act, Run) and act.round.member_ids == ["a"] and act.round.number == 2
     assert b.round is None or b.round.number == 1
+
+
+def test_a_joiner_that_does_not_watch_membership_is_woken_by_the_round_only() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(min_nodes=3, max_nodes=3, last_call_s=0)
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    assert isinstance(a.step(None), Wait) and isinstance(b.step(None), Wait)  # 2 of 3
+    assert a.watched_prefix() == a.keys.watched  # a joined first
+    assert b.watched_prefix() == b.keys.round_dir
+    c = _handler(store, "c", clock, s)  # c joins: only a is woken
+    assert a.wait(0) and not b.wait(0)
+    assert isinstance(a.step(None), Wait)  # a proposes round 1
+    assert b.wait(0)  # the round record wakes b
+    assert isinstance(b.step(None), Run) and isinstance(c.step(None), Run)
+
+
+def test_an_agent_that_is_not_woken_still_proposes_when_it_steps() -> None:
+    """Watching only the round never changes a decision: a silent first joiner is covered."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(min_nodes=2, max_nodes=2, last_call_s=0)
+    _handler(store, "a", clock, s)
+    b = _handler(store, "b", clock, s)
+    assert b.watched_prefix() == b.keys.watched  # b has not read yet: watches everything
+    assert isinstance(b.step(None), Wait)  # b proposes (a never steps)
+    act = b.step(None)
+    assert isinstance(act, Run) and act.round.member_ids == ["a", "b"]
+    assert b.watched_prefix() == b.keys.round_dir
