@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -152,3 +153,14 @@ def store_server(procs: Procs) -> Iterator[tuple[str, int]]:
     yield "127.0.0.1", port
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """One scrape of an agent's Prometheus endpoint on loopback: sample name -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

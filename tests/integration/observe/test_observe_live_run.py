@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from support import DDP_STEPS, Procs, read_events, read_progress, wait_for
+from support import DDP_STEPS, Procs, read_events, read_progress, scrape_metrics, wait_for
 
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics
 from flexrun.observe.report import LOST_PNG, REPORT_FILE, TIMELINE_PNG, analyze, load_events
@@ -32,14 +31,40 @@ def _flexrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
     )
 
 
-def _agent(procs: Procs, store: tuple[str, int], name: str, script_args: list[str], script: Path,
-           *extra: str):  # type: ignore[no-untyped-def]
+def _agent(
+    procs: Procs,
+    store: tuple[str, int],
+    name: str,
+    script_args: list[str],
+    script: Path,
+    *extra: str,
+):  # type: ignore[no-untyped-def]
     host, port = store
     return procs.start(
-        ["run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "job", "--rdzv-conf", HB,
-         "--stop-grace", "5", "--node-id", name, "--run-dir", str(procs.tmp / "runs" / name),
-         *extra, str(script), *script_args],
+        [
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{host}:{port}",
+            "--rdzv-id",
+            "job",
+            "--rdzv-conf",
+            HB,
+            "--stop-grace",
+            "5",
+            "--node-id",
+            name,
+            "--run-dir",
+            str(procs.tmp / "runs" / name),
+            *extra,
+            str(script),
+            *script_args,
+        ],
         name=name,
     )
 
@@ -64,28 +89,24 @@ def test_status_shows_both_members_of_a_running_two_node_job_and_rejects_an_unkn
     assert sorted(tuple(m["ranks"]) for m in members.values()) == [(0, 1), (2, 3)]
     assert all(m["heartbeat"] and m["addr"] for m in members.values())
     # keep-alives every 0.5 s, expiring after 3 s: status watched them for 1.2 s
-    assert all(m["heartbeat_age_s"] is not None and m["heartbeat_age_s"] < 3 for m in members.values())
+    assert all(
+        m["heartbeat_age_s"] is not None and m["heartbeat_age_s"] < 3 for m in members.values()
+    )
     assert st["waiting"] == []
 
     table = _flexrun("status", "--rdzv-endpoint", endpoint, "--rdzv-id", "job")
     assert table.returncode == 0, table.stderr
-    assert "running" in table.stdout and re.search(r"\ba\b", table.stdout) and re.search(r"\bb\b", table.stdout)
+    assert (
+        "running" in table.stdout
+        and re.search(r"\ba\b", table.stdout)
+        and re.search(r"\bb\b", table.stdout)
+    )
 
     unknown = _flexrun("status", "--rdzv-endpoint", endpoint, "--rdzv-id", "nope", "--json")
     assert unknown.returncode == 2 and unknown.stdout == ""
     lines = unknown.stderr.strip().splitlines()
     assert len(lines) == 1 and "'nope'" in lines[0] and "job" in lines[0], unknown.stderr
     assert a.poll() is None and b.poll() is None
-
-
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _rounds_after(progress: Path, ts: float) -> dict[int, int]:
@@ -133,8 +154,18 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
 ) -> None:
     progress = procs.tmp / "progress.jsonl"
     stop = procs.tmp / "stop"
-    args = ["--step-time", "0.05", "--ckpt", str(procs.tmp / "ckpt.pt"), "--ckpt-every", "10",
-            "--progress", str(progress), "--stop-file", str(stop)]
+    args = [
+        "--step-time",
+        "0.05",
+        "--ckpt",
+        str(procs.tmp / "ckpt.pt"),
+        "--ckpt-every",
+        "10",
+        "--progress",
+        str(progress),
+        "--stop-file",
+        str(stop),
+    ]
     a = _agent(procs, store_server, "a", args, TRAIN, "--max-restarts", "3")
     run_a = procs.tmp / "runs" / "a"
     metrics = AgentMetrics(0, host="127.0.0.1")
@@ -143,17 +174,26 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
         port = metrics.start()
         follower.start()
         wait_for(lambda: read_progress(progress), 120, "training at world 2")
-        wait_for(lambda: _scrape(port).get("flexrun_world_size") == 2, 10, "metrics: world size 2")
+        wait_for(
+            lambda: scrape_metrics(port).get("flexrun_world_size") == 2, 10, "metrics: world size 2"
+        )
         first_round = read_progress(progress)[-1]["round"]
 
         # 1. kill -9 of one worker
-        victim = next(e["pid"] for e in read_events(run_a) if e["event"] == "worker_started" and e["rank"] == 1)
+        victim = next(
+            e["pid"]
+            for e in read_events(run_a)
+            if e["event"] == "worker_started" and e["rank"] == 1
+        )
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: any(r > first_round for r in _rounds_after(progress, t_kill)), 90,
-                 "training again after the kill")
+        wait_for(
+            lambda: any(r > first_round for r in _rounds_after(progress, t_kill)),
+            90,
+            "training again after the kill",
+        )
         t_back1 = time.time()
-        scraped = _scrape(port)
+        scraped = scrape_metrics(port)
         assert scraped.get('flexrun_failures_total{cause="worker_failure"}') == 1
         assert scraped.get("flexrun_workers_up") == 2
 
@@ -162,20 +202,28 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
         b = _agent(procs, store_server, "b", args, TRAIN, "--max-restarts", "3")
         wait_for(lambda: 4 in _rounds_after(progress, t_join).values(), 120, "training at world 4")
         t_back2 = time.time()
-        wait_for(lambda: _scrape(port).get("flexrun_world_size") == 4, 10, "metrics: world size 4")
+        wait_for(
+            lambda: scrape_metrics(port).get("flexrun_world_size") == 4, 10, "metrics: world size 4"
+        )
 
         # 3. SIGTERM to that agent (a preemption)
         t_term = time.time()
         b.send_signal(signal.SIGTERM)
         assert b.wait(timeout=60) == 143
-        wait_for(lambda: 2 in _rounds_after(progress, t_term).values(), 90, "training at world 2 again")
+        wait_for(
+            lambda: 2 in _rounds_after(progress, t_term).values(), 90, "training at world 2 again"
+        )
         t_back3 = time.time()
-        wait_for(lambda: _scrape(port).get("flexrun_world_size") == 2, 10, "metrics: world size back to 2")
+        wait_for(
+            lambda: scrape_metrics(port).get("flexrun_world_size") == 2,
+            10,
+            "metrics: world size back to 2",
+        )
 
         stop.touch()
         assert a.wait(timeout=60) == 0, procs.stderr("a")[-3000:]
         follower.close()
-        final = _scrape(port)
+        final = scrape_metrics(port)
         assert final["flexrun_recovery_duration_seconds_count"] == 3
         assert final["flexrun_last_checkpoint_step"] > 0
         assert final["flexrun_train_steps_per_second"] > 0
@@ -196,11 +244,18 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
     assert (term.world_before, term.world_after) == (4, 2)
     # Each recovery ends when the new round was up everywhere: after the incident, before the
     # test saw training resume; and it equals the gap between the logged events.
-    for inc, t_cause, t_seen in ((kill, t_kill, t_back1), (grow, t_join, t_back2), (term, t_term, t_back3)):
+    for inc, t_cause, t_seen in (
+        (kill, t_kill, t_back1),
+        (grow, t_join, t_back2),
+        (term, t_term, t_back3),
+    ):
         assert inc.duration_s is not None and inc.recovered_ts is not None
         assert t_cause - 1 <= inc.ts <= inc.recovered_ts <= t_seen
-        ups = [e["ts"] for e in load_events([runs])
-               if e["event"] == "rendezvous_completed" and e["round"] == inc.recovered_round]
+        ups = [
+            e["ts"]
+            for e in load_events([runs])
+            if e["event"] == "rendezvous_completed" and e["round"] == inc.recovered_round
+        ]
         assert inc.duration_s == pytest.approx(max(ups) - inc.ts)
     assert analysis.ettr is not None and 0 < analysis.ettr < 1
     assert analysis.productive_basis == "train_metrics"

@@ -7,11 +7,10 @@ import math
 import subprocess
 import sys
 import textwrap
-import urllib.request
 from pathlib import Path
 
 import pytest
-from support import Procs, free_port, read_events, wait_for
+from support import Procs, free_port, read_events, scrape_metrics, wait_for
 from train_support import EXAMPLE, Launcher
 
 from flexrun.observe.metrics import serve_run_metrics
@@ -33,16 +32,6 @@ WORKER = textwrap.dedent(
     ft.shutdown()
     """
 )
-
-
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 @pytest.mark.timeout(180)
@@ -71,7 +60,7 @@ def test_two_ranks_write_cross_rank_means_that_the_metrics_endpoint_and_report_r
     # The agent's endpoint (what `flexrun run --metrics-port` serves) picks them up.
     metrics, follower = serve_run_metrics(run_dir, free_port(), resources=False)
     try:
-        scraped = _scrape(metrics.port)
+        scraped = scrape_metrics(metrics.port)
     finally:
         follower.close()
         metrics.close()
@@ -101,7 +90,7 @@ def test_the_example_under_flexrun_run_serves_and_writes_its_training_metrics(
                 f"agent exited {agent.returncode}: {procs.stderr('agent')[-3000:]}"
             )
         try:
-            return _scrape(port).get("flexrun_train_steps_per_second", 0.0)
+            return scrape_metrics(port).get("flexrun_train_steps_per_second", 0.0)
         except OSError:
             return 0.0
 

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import math
 import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
+from support import scrape_metrics
 
 from flexrun.errors import ConfigError
 from flexrun.observe.events import EventLog
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics, serve_run_metrics
 from flexrun.testing import FakeClock
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def ev(event: str, ts: float, round: int | None = None, node: str = "a", **kw: object) -> dict:
@@ -61,12 +51,12 @@ def test_metrics_follow_rounds_failures_recoveries_and_throughput_over_http() ->
     m = AgentMetrics(0, host="127.0.0.1", clock=clock)
     port = m.start()
     try:
-        assert math.isnan(scrape(port)["flexrun_last_checkpoint_age_seconds"])
+        assert math.isnan(scrape_metrics(port)["flexrun_last_checkpoint_age_seconds"])
         em = EventMetrics(m, node="a")
         for e in RUN:
             e = dict(e, ts=e["ts"] + clock.wall() - 20)  # the run happened 20 s ago
             em.observe(e)
-        s = scrape(port)
+        s = scrape_metrics(port)
     finally:
         m.close()
     assert (s["flexrun_world_size"], s["flexrun_nodes"], s["flexrun_round"]) == (4, 2, 3)
@@ -115,7 +105,9 @@ def test_a_port_in_use_is_a_config_error() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_the_follower_delivers_complete_lines_once_and_waits_for_partial_ones(tmp_path: Path) -> None:
+def test_the_follower_delivers_complete_lines_once_and_waits_for_partial_ones(
+    tmp_path: Path,
+) -> None:
     got: list[dict] = []
     f = EventFollower(tmp_path, got.append)
     assert f.poll() == 0  # no file yet
@@ -136,13 +128,13 @@ def test_serve_run_metrics_exports_the_run_and_the_node(tmp_path: Path) -> None:
     log.emit("rendezvous_completed", round=1, members=["a"], world_size=2, duration_s=0.1)
     metrics, follower = serve_run_metrics(tmp_path, 0, node="a", host="127.0.0.1")
     try:
-        s = scrape(int(metrics.port or 0))
+        s = scrape_metrics(int(metrics.port or 0))
         assert s["flexrun_world_size"] == 2
         assert s["flexrun_node_memory_total_bytes"] > 0 and s["flexrun_node_cpus"] >= 1
         assert any(k.startswith("flexrun_node_disk_used_bytes{") for k in s)
         log.emit("rendezvous_completed", round=2, members=["a", "b"], world_size=4, duration_s=0.1)
         follower.poll()
-        assert scrape(int(metrics.port or 0))["flexrun_world_size"] == 4
+        assert scrape_metrics(int(metrics.port or 0))["flexrun_world_size"] == 4
     finally:
         follower.close()
         metrics.close()
