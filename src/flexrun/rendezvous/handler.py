@@ -20,6 +20,7 @@ from flexrun.observe.events import EventLog
 from flexrun.rendezvous.decide import (
     Action,
     Propose,
+    Run,
     View,
     Wait,
     decide,
@@ -252,8 +253,11 @@ class RendezvousHandler:
             entry = self.store.get(key)
             if entry is not None:
                 return MasterRecord.decode(entry.value)
-            current = self.store.get(self.keys.round)
-            if current is None or RoundRecord.decode(current.value).number != rnd.number:
+            # Not published yet. Decide as the agent's loop would: rank 0's node may have
+            # left or died before publishing, and this agent, waiting here, may be the only
+            # one left to replace the round (a proposal made here returns Wait).
+            action = self.step(None)
+            if not isinstance(action, Run) or action.round.number != rnd.number:
                 return None
             remaining = deadline - self.clock.monotonic()
             if remaining <= 0:

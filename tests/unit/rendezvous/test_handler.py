@@ -85,3 +85,59 @@ def test_an_agent_that_is_not_woken_still_proposes_when_it_steps() -> None:
     act = b.step(None)
     assert isinstance(act, Run) and act.round.member_ids == ["a", "b"]
     assert b.watched_prefix() == b.keys.round_dir
+
+
+def _round_of_two(clock: FakeClock, store: MemoryStore) -> tuple[RendezvousHandler, ...]:
+    s = RendezvousSettings(
+        min_nodes=1, max_nodes=3, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3
+    )
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    a.step(None)  # proposes round 1: [a, b], a is rank 0
+    act = b.step(None)
+    assert isinstance(act, Run) and act.round.member_ids == ["a", "b"]
+    return a, b
+
+
+def test_a_peer_that_leaves_before_publishing_the_master_does_not_strand_the_round() -> None:
+    """Chaos finding: rank 0's node was preempted between the round's proposal and the
+    master address; the survivor waited in master_for for a round nobody would replace."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    a, b = _round_of_two(clock, store)
+    assert b.round is not None
+    rnd = b.round
+    a.leave()  # graceful: node record and keep-alive deleted
+    assert b.master_for(rnd, timeout_s=0) is None
+    cur = b.step(None)
+    assert isinstance(cur, Run) and cur.round.number == 2 and cur.round.member_ids == ["b"]
+    assert cur.round.reason == "node_left"
+
+
+def test_a_peer_killed_before_publishing_the_master_is_dropped_on_its_stale_keep_alive() -> None:
+    """A member killed while the round is still forming goes after the heartbeat timeout,
+    not after the join timeout."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    a, b = _round_of_two(clock, store)
+    assert b.round is not None
+    rnd = b.round
+    clock.advance(3.5)  # a was SIGKILLed: its record stays, its keep-alive goes stale
+    b._beat()
+    assert b.master_for(rnd, timeout_s=0) is None
+    cur = b.step(None)
+    assert isinstance(cur, Run) and cur.round.number == 2 and cur.round.member_ids == ["b"]
+    assert cur.round.reason == "node_lost"
+
+
+def test_a_live_rank_0_is_waited_for() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    a, b = _round_of_two(clock, store)
+    assert b.round is not None
+    rnd = b.round
+    assert b.master_for(rnd, timeout_s=0) is None  # not published yet: the round stands
+    assert b.round is not None and b.round.number == 1
+    act = a.step(None)
+    assert isinstance(act, Run)
+    published = a.master_for(act.round, timeout_s=0)
+    assert published is not None and b.master_for(rnd, timeout_s=0) == published
