@@ -42,6 +42,10 @@ class View:
     settle_until: float = 0.0
     """After the store lost its state (restarted), members are not declared gone before
     this time: they need a keep-alive interval or two to re-register."""
+    floor: int = 0
+    """The highest round number this agent has seen. Round numbers never go back: a
+    store that restarted (and lost the round) must not see a round numbered at or below
+    it again, or the checkpoint fence refuses every writer of the new rounds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +105,11 @@ def next_round(
     *,
     failure: bool = False,
     root_cause: Mapping[str, Any] | None = None,
+    floor: int = 0,
 ) -> RoundRecord:
-    """The round that follows ``current`` given who is alive (pure)."""
-    number = current.number + 1 if current is not None else 1
+    """The round that follows ``current`` given who is alive (pure); numbered above both
+    ``current`` and ``floor`` (the highest round the caller has seen)."""
+    number = max(current.number if current is not None else 0, floor) + 1
     restarts = (current.restarts if current is not None else 0) + (1 if failure else 0)
     cause = dict(root_cause or {})
     if failure and restarts > settings.max_restarts:
@@ -144,6 +150,19 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
 
     alive = view.alive
     window_over = view.now - view.candidates_since >= settings.last_call_s
+
+    if (r is None or r.number < view.floor) and view.floor > 0:
+        # The store lost its state (restarted): the round is gone, or a node that never
+        # saw the old rounds formed a lower one. Once the nodes had time to re-register,
+        # form the next round above every one seen (never a lower number).
+        if view.now < view.settle_until:
+            return Wait("store restarted: waiting for the nodes to re-register")
+        if len(alive) >= settings.min_nodes:
+            rec = next_round(r, alive, settings, "store_restarted", floor=view.floor)
+            return Propose(rec, r.number if r is not None else 0, joined=tuple(rec.member_ids))
+        if view.running is not None:
+            return Stop("too few nodes: waiting for more")
+        return Wait(f"waiting for nodes: {len(alive)} present, MIN is {settings.min_nodes}")
 
     if r is not None and r.state == RUNNING:
         members = r.member_ids

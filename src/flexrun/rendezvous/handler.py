@@ -70,6 +70,8 @@ class RendezvousHandler:
         self.clock = clock
         self.round: RoundRecord | None = None
         self._known_round: RoundRecord | None = None
+        self._floor = 0  # the highest round number seen: new rounds are numbered above it
+        self._known_master: tuple[int, MasterRecord] | None = None
         self._settle_until = 0.0
         self._round_rev = 0
         self._since_rev = 0
@@ -131,6 +133,7 @@ class RendezvousHandler:
             rnd, self._round_rev = None, 0
         else:
             rnd, self._round_rev = RoundRecord.decode(entry.value), entry.revision
+            self._floor = max(self._floor, rnd.number)
         nodes = self.store.get_prefix(self.keys.nodes)
         beats = self.store.get_prefix(self.keys.heartbeats)
         alive: dict[str, tuple[NodeRecord, int]] = {}
@@ -155,6 +158,7 @@ class RendezvousHandler:
             self.store.put(self.keys.node(self.me.node_id), self.me.encode())
             self._beat()
             self._settle_until = now + self.settings.heartbeat_timeout_s
+            self._joined_at = now  # the join timeout counts from this (re)join
             self.events.emit("store_rejoined", node_id=self.me.node_id)
             log.warning("the store lost this node's record (restarted?): registered again")
             rnd, alive, registered = self._read()
@@ -164,6 +168,12 @@ class RendezvousHandler:
             self.store.compare_and_set(
                 self.keys.round, self._known_round.encode(), expected_revision=0
             )
+            known = self._known_round.number
+            if self._known_master is not None and self._known_master[0] == known:
+                # A member still waiting for the round's address would wait for ever.
+                self.store.compare_and_set(
+                    self.keys.master(known), self._known_master[1].encode(), expected_revision=0
+                )
             self._settle_until = now + self.settings.heartbeat_timeout_s
             self.events.emit("round_restored", round=self._known_round.number)
             rnd, alive, registered = self._read()
@@ -183,6 +193,7 @@ class RendezvousHandler:
             now=now,
             candidates_since=self._candidates_since,
             settle_until=self._settle_until,
+            floor=self._floor,
         )
         self._watch_all = watches_membership(view)
         action = decide(view, self.settings)
@@ -208,6 +219,7 @@ class RendezvousHandler:
         )
         if ok:
             rec = p.record
+            self._floor = max(self._floor, rec.number)
             for n in p.lost:
                 self.events.emit("node_lost", node_id=n, round=rec.number)
             for n in p.left:
@@ -243,16 +255,19 @@ class RendezvousHandler:
         if rnd.group_rank(self.me.node_id) == 0:
             rec = MasterRecord(self.me.addr, free_port(self.me.addr))
             ok, current = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
-            if ok:
-                return rec
-            assert current is not None
-            return MasterRecord.decode(current.value)
+            if not ok:
+                assert current is not None
+                rec = MasterRecord.decode(current.value)
+            self._known_master = (rnd.number, rec)
+            return rec
         deadline = self.clock.monotonic() + timeout_s
         while True:
             rev = self.store.revision()
             entry = self.store.get(key)
             if entry is not None:
-                return MasterRecord.decode(entry.value)
+                found = MasterRecord.decode(entry.value)
+                self._known_master = (rnd.number, found)
+                return found
             # Not published yet. Decide as the agent's loop would: rank 0's node may have
             # left or died before publishing, and this agent, waiting here, may be the only
             # one left to replace the round (a proposal made here returns Wait).
@@ -274,12 +289,19 @@ class RendezvousHandler:
                 assert rnd is not None
                 return rnd
             rec = next_round(
-                rnd, alive, self.settings, "failure", failure=True, root_cause=root_cause
+                rnd,
+                alive,
+                self.settings,
+                "failure",
+                failure=True,
+                root_cause=root_cause,
+                floor=self._floor,
             )
             ok, _ = self.store.compare_and_set(
                 self.keys.round, rec.encode(), expected_revision=self._round_rev
             )
             if ok:
+                self._floor = max(self._floor, rec.number)
                 return rec
 
     def count_failure(self, root_cause: Mapping[str, Any]) -> RoundRecord:
@@ -310,6 +332,7 @@ class RendezvousHandler:
                 self.keys.round, rec.encode(), expected_revision=self._round_rev
             )
             if ok:
+                self._floor = max(self._floor, rec.number)
                 return rec
 
     def close(self, running_round: int) -> None:

@@ -189,3 +189,46 @@ def test_only_the_alive_node_that_joined_first_watches_membership() -> None:
     assert watches_membership(view("a", rnd(1, "c", "a", "b"), rest, clock, t0, running=1))
     # An agent that does not see itself alive watches everything.
     assert watches_membership(view("z", None, nodes, clock, t0))
+
+
+def _restarted_view(
+    r: RoundRecord | None, clock: FakeClock, *, floor: int, settle_until: float
+) -> View:
+    nodes = alive("a", "b")
+    return View(
+        me="a",
+        round=r,
+        alive=nodes,
+        registered=frozenset(nodes),
+        running=None,
+        now=clock.monotonic(),
+        candidates_since=clock.monotonic() - 10,
+        settle_until=settle_until,
+        floor=floor,
+    )
+
+
+def test_after_a_store_restart_the_next_round_is_numbered_above_the_last_one_seen() -> None:
+    """Chaos finding: the store restarted while a node was joining (no agent running a
+    round, so none restored it) and both agents formed "round 1" after round 165."""
+    clock = FakeClock()
+    settle = clock.monotonic() + 3
+    act = decide(_restarted_view(None, clock, floor=165, settle_until=settle), S)
+    assert isinstance(act, Wait)  # nodes re-register first
+    clock.advance(3)
+    act = decide(_restarted_view(None, clock, floor=165, settle_until=settle), S)
+    assert isinstance(act, Propose) and act.expected_number == 0
+    assert act.record.number == 166 and act.record.member_ids == ["a", "b"]
+
+
+def test_a_round_numbered_below_one_already_seen_is_replaced_by_a_higher_one() -> None:
+    """A node that never saw the old rounds formed round 1 on the restarted store."""
+    clock = FakeClock()
+    act = decide(_restarted_view(rnd(1, "b"), clock, floor=165, settle_until=0), S)
+    assert isinstance(act, Propose) and act.expected_number == 1
+    assert act.record.number == 166 and act.record.member_ids == ["b", "a"]
+
+
+def test_next_round_never_numbers_below_the_floor() -> None:
+    assert next_round(None, alive("a"), S, "start", floor=7).number == 8
+    assert next_round(rnd(9, "a"), alive("a"), S, "failure", floor=7).number == 10

@@ -141,3 +141,85 @@ def test_a_live_rank_0_is_waited_for() -> None:
     assert isinstance(act, Run)
     published = a.master_for(act.round, timeout_s=0)
     assert published is not None and b.master_for(rnd, timeout_s=0) == published
+
+
+def _wipe(store: MemoryStore) -> None:
+    """What a restarted store holds of this job: nothing."""
+    for key in list(store.get_prefix("flexrun/")):
+        store.delete(key)
+
+
+def test_round_numbers_never_go_back_after_a_store_restart_while_nobody_runs() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=1,
+        max_nodes=2,
+        last_call_s=0,
+        heartbeat_interval_s=1,
+        heartbeat_timeout_s=3,
+    )
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    a.step(None)
+    act = b.step(None)
+    assert isinstance(act, Run) and act.round.number == 1
+    _wipe(store)  # the store restarted before either agent started the round's workers
+    numbers = []
+    for _ in range(8):
+        for h in (a, b):
+            h.step(None)
+            numbers.append(h.round.number if h.round is not None else None)
+        clock.advance(0.5)
+        a._beat()  # the keep-alive threads
+        b._beat()
+    assert all(n is None or n > 1 for n in numbers), numbers
+    act_a, act_b = a.step(None), b.step(None)
+    assert isinstance(act_a, Run) and isinstance(act_b, Run)
+    assert act_a.round == act_b.round and act_a.round.number == 2
+    assert act_a.round.member_ids == ["a", "b"]  # waited for both to re-register
+
+
+def test_a_restored_round_brings_back_its_master_address() -> None:
+    """A running agent restores its round after a store restart; a member that had not
+    read the master address yet must still find it, or it waits for ever."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=1,
+        max_nodes=2,
+        last_call_s=0,
+        heartbeat_interval_s=1,
+        heartbeat_timeout_s=3,
+    )
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    a.step(None)
+    act = a.step(None)
+    assert isinstance(act, Run) and act.round.member_ids == ["a", "b"]
+    master = a.master_for(act.round, timeout_s=0)  # a is rank 0 and runs round 1
+    assert master is not None
+    b.step(None)
+    _wipe(store)
+    a.step(1)  # restores round 1
+    assert isinstance(b.step(None), Run)
+    assert b.master_for(act.round, timeout_s=0) == master
+
+
+def test_an_old_idle_agent_is_not_timed_out_by_the_settle_after_a_store_restart() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=2,
+        max_nodes=2,
+        last_call_s=0,
+        heartbeat_interval_s=1,
+        heartbeat_timeout_s=3,
+        join_timeout_s=10,
+    )
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    a.step(None)
+    assert isinstance(b.step(None), Run)
+    clock.advance(60)  # a and b have been up for longer than the join timeout
+    a._beat()
+    b._beat()
+    _wipe(store)
+    assert isinstance(a.step(None), Wait)  # settling, not a RendezvousTimeout
