@@ -143,6 +143,23 @@ def test_a_live_rank_0_is_waited_for() -> None:
     assert published is not None and b.master_for(rnd, timeout_s=0) == published
 
 
+def _two_agents(
+    *, min_nodes: int, max_nodes: int, **extra: float
+) -> tuple[FakeClock, MemoryStore, RendezvousHandler, RendezvousHandler]:
+    """Agents a and b on one memory store: no last call, 1 s keep-alives, 3 s timeout."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        last_call_s=0,
+        heartbeat_interval_s=1,
+        heartbeat_timeout_s=3,
+        **extra,
+    )
+    return clock, store, _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+
+
 def _wipe(store: MemoryStore) -> None:
     """What a restarted store holds of this job: nothing."""
     for key in list(store.get_prefix("flexrun/")):
@@ -150,16 +167,7 @@ def _wipe(store: MemoryStore) -> None:
 
 
 def test_round_numbers_never_go_back_after_a_store_restart_while_nobody_runs() -> None:
-    clock = FakeClock()
-    store = MemoryStore(clock)
-    s = RendezvousSettings(
-        min_nodes=1,
-        max_nodes=2,
-        last_call_s=0,
-        heartbeat_interval_s=1,
-        heartbeat_timeout_s=3,
-    )
-    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    clock, store, a, b = _two_agents(min_nodes=1, max_nodes=2)
     a.step(None)
     act = b.step(None)
     assert isinstance(act, Run) and act.round.number == 1
@@ -182,16 +190,7 @@ def test_round_numbers_never_go_back_after_a_store_restart_while_nobody_runs() -
 def test_a_restored_round_brings_back_its_master_address() -> None:
     """A running agent restores its round after a store restart; a member that had not
     read the master address yet must still find it, or it waits for ever."""
-    clock = FakeClock()
-    store = MemoryStore(clock)
-    s = RendezvousSettings(
-        min_nodes=1,
-        max_nodes=2,
-        last_call_s=0,
-        heartbeat_interval_s=1,
-        heartbeat_timeout_s=3,
-    )
-    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    clock, store, a, b = _two_agents(min_nodes=1, max_nodes=2)
     a.step(None)
     act = a.step(None)
     assert isinstance(act, Run) and act.round.member_ids == ["a", "b"]
@@ -205,17 +204,7 @@ def test_a_restored_round_brings_back_its_master_address() -> None:
 
 
 def test_an_old_idle_agent_is_not_timed_out_by_the_settle_after_a_store_restart() -> None:
-    clock = FakeClock()
-    store = MemoryStore(clock)
-    s = RendezvousSettings(
-        min_nodes=2,
-        max_nodes=2,
-        last_call_s=0,
-        heartbeat_interval_s=1,
-        heartbeat_timeout_s=3,
-        join_timeout_s=10,
-    )
-    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    clock, store, a, b = _two_agents(min_nodes=2, max_nodes=2, join_timeout_s=10)
     a.step(None)
     assert isinstance(b.step(None), Run)
     clock.advance(60)  # a and b have been up for longer than the join timeout
