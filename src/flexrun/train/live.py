@@ -33,6 +33,10 @@ committed steps or model checksums disagree), the epoch's rank 0 restores the ne
 durable checkpoint and broadcasts it, as restart mode would, with a ``live_fallback``
 event; the decision is ``flexrun.train.live_plan.plan_recovery``.
 
+Modules: this one runs the step loop and its commits; ``live_group`` owns the epochs and
+process groups (steps 1, 2 and 4 and the arrival in 3), ``live_sync`` the checksum and
+the state broadcast, ``live_plan`` the pure recovery decision.
+
 Backends: gloo with CPU tensors is the only implemented and tested path. NCCL is not
 implemented (and has not been run: no GPU here). The intended design: a
 ``ProcessGroupNCCL`` per epoch on the same fresh ``PrefixStore`` namespace, with
@@ -44,10 +48,6 @@ a dead peer) instead of leaking it; gradients and the state broadcast on the dev
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import hashlib
-import io
-import json
 import logging
 import os
 import signal
@@ -55,76 +55,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from flexrun.errors import CheckpointError, ConfigError, FlexrunError
-from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
+from flexrun.errors import CheckpointError, ConfigError
+from flexrun.live_protocol import STATE_MARK, EpochRecord, live_keys
 from flexrun.observe.events import EventLog
-from flexrun.train.live_plan import MemberReport, plan_recovery
+from flexrun.train.live_group import EpochGroup, LiveAborted, LiveEnv, TrainingFinished
+from flexrun.train.live_plan import plan_recovery
+from flexrun.train.live_sync import broadcast_state, state_checksum
 
 log = logging.getLogger("flexrun.train.live")
 
 PREEMPTED_EXIT = 143
-
-
-class LiveAborted(FlexrunError):
-    """The current epoch ended under a step (a member died or the membership changed)."""
-
-
-class _TrainingFinished(Exception):
-    """The job's members completed every step while this worker waited to join."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LiveEnv:
-    """What the agent tells a live worker (``FLEXRUN_LIVE_*``)."""
-
-    store_host: str
-    store_port: int
-    run_id: str
-    worker_id: str
-    heartbeat_file: Path
-    heartbeat_interval_s: float
-    run_dir: str | None
-    round: int
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> LiveEnv:
-        """Raises ConfigError when the script was not started by ``flexrun run --mode live``."""
-        if env.get("FLEXRUN_LIVE") != "1":
-            raise ConfigError(
-                "LiveLoop needs `flexrun run --mode live` (or auto mode with a script that uses it); "
-                "under torchrun or restart mode use the Checkpointer and ElasticSampler instead"
-            )
-        try:
-            host, _, port = env["FLEXRUN_LIVE_STORE"].rpartition(":")
-            return cls(
-                store_host=host,
-                store_port=int(port),
-                run_id=env["FLEXRUN_RUN_ID"],
-                worker_id=env["FLEXRUN_WORKER_ID"],
-                heartbeat_file=Path(env["FLEXRUN_LIVE_HEARTBEAT"]),
-                heartbeat_interval_s=float(env.get("FLEXRUN_LIVE_HEARTBEAT_INTERVAL", "0.5")),
-                run_dir=env.get("FLEXRUN_RUN_DIR") or None,
-                round=int(env.get("FLEXRUN_ROUND", "0")),
-            )
-        except (KeyError, ValueError) as exc:
-            raise ConfigError(f"live-mode environment incomplete or malformed: {exc}") from exc
-
-
-def state_checksum(model: torch.nn.Module) -> str:
-    """sha256 of the model's state in a fixed order (survivors must agree after recovery)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def split_share(global_batch: int, world: int, rank: int) -> tuple[int, int]:
@@ -215,29 +159,15 @@ class LiveLoop:
         self.has_state = False
         self.rank = 0
         self.world_size = 1
-        self.epoch: EpochRecord | None = None
-        self._pg: Any = None
-        self._abandoned: list[Any] = []  # old groups are leaked on purpose, never aborted
         self._perm_cache: tuple[int, list[int]] | None = None
         self._current_micro = 0
-        self._pending_change = False
-        self._next_epoch_check = 0.0
         self._preempted = False
+        self._flags = (0.0, 0.0)
         self._params = [p for p in model.parameters()]
         self._ckpt: Any = None
-        self._ckpt_rank0 = False
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
-        self._epoch_key, self._ns = live_keys(self.env.run_id)
-        self._done_key = self._epoch_key.rsplit("/", 1)[0] + "/done"
-        self._formed_key = formed_key(self.env.run_id)
-
-        from flexrun.store.tcp import TcpStore
-
-        self.store = TcpStore(self.env.store_host, self.env.store_port, connect_timeout_s=30)
-        self._raw = dist.TCPStore(
-            self.env.store_host, self.env.store_port, None, False, timedelta(seconds=timeout_s)
-        )
+        self.group = EpochGroup(self.env, timeout_s=timeout_s)
         self._stop_hb = threading.Event()
         self._hb = threading.Thread(
             target=self._heartbeat, name="flexrun-live-heartbeat", daemon=True
@@ -246,6 +176,23 @@ class LiveLoop:
         self._hb.start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- views of the group (also used by flexrun.train.metrics) ----------------------------
+    @property
+    def epoch(self) -> EpochRecord | None:
+        return self.group.epoch
+
+    @property
+    def store(self) -> Any:
+        return self.group.store
+
+    @property
+    def _pg(self) -> Any:
+        return self.group.pg
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective, watching for an aborting epoch change (LiveAborted)."""
+        self.group.wait(work)
 
     # -- plumbing -----------------------------------------------------------------------
     def _touch(self) -> None:
@@ -272,16 +219,12 @@ class LiveLoop:
             self._perm_cache = (data_epoch, torch.randperm(n, generator=g).tolist())
         return self._perm_cache[1][offset]
 
-    def _read_epoch(self) -> EpochRecord | None:
-        entry = self.store.get(self._epoch_key)
-        return EpochRecord.decode(entry.value) if entry is not None else None
-
     # -- the loop ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
         self.events.emit("live_worker_ready", pid=os.getpid())  # (joiner latency breakdown)
         try:
             self._rejoin(reason="start")
-        except _TrainingFinished:
+        except TrainingFinished:
             # A replacement that arrived after the last step: nothing to train, and no
             # trained state to hand to the code after the loop. Leave quietly.
             self.events.emit("live_late_joiner_exit", committed=self.committed)
@@ -298,7 +241,7 @@ class LiveLoop:
                     continue
                 if self._preempted_all():
                     return
-            self.store.put(self._done_key, str(self.total_steps).encode())
+            self.group.mark_done(self.total_steps)
             if self._ckpt is not None:
                 self._ckpt.wait()
         finally:
@@ -314,15 +257,13 @@ class LiveLoop:
             self._hb.join(timeout=2)
         with contextlib.suppress(OSError):
             self.env.heartbeat_file.unlink()
-        for pg in [*self._abandoned, self._pg]:
-            if pg is not None:
-                _leak(pg)
+        self.group.leak_all()
 
     def _commit(self, step: Step) -> bool:
         try:
             # Once per step too: a small world's all-reduce may complete before _wait ever
             # looks, and a joiner would wait many steps to be noticed.
-            self._check_epoch(time.monotonic())
+            self.group.check_epoch(time.monotonic())
         except LiveAborted as exc:
             self._rejoin(reason=str(exc))
             return False
@@ -331,12 +272,12 @@ class LiveLoop:
             for p in self._params
         ]
         flags = torch.tensor(
-            [1.0 if self._pending_change else 0.0, 1.0 if self._preempted else 0.0],
+            [1.0 if self.group.pending_change else 0.0, 1.0 if self._preempted else 0.0],
             dtype=grads[0].dtype if grads else torch.float32,
         )
         buf = torch.cat([*grads, flags]) if grads else flags
         try:
-            self._wait(self._pg.allreduce([buf]))
+            self.group.wait(self.group.pg.allreduce([buf]))
         except LiveAborted as exc:
             self._rejoin(reason=str(exc))
             return False
@@ -357,7 +298,7 @@ class LiveLoop:
 
     def _preempted_all(self) -> bool:
         """SIGTERM seen by some ranks: everyone agreed through the all-reduce flag."""
-        flags = getattr(self, "_flags", (0.0, 0.0))
+        flags = self._flags
         if not flags[1] > 0:
             return False
         if int(flags[1]) >= self.world_size:
@@ -376,69 +317,13 @@ class LiveLoop:
             sys.exit(PREEMPTED_EXIT)
         return False
 
-    def _wait(self, work: Any) -> None:
-        """Wait for a collective, watching for an aborting epoch change."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if work.is_completed():
-                try:
-                    work.wait()
-                except RuntimeError as exc:
-                    raise LiveAborted(
-                        f"collective failed: {str(exc).splitlines()[0][:200]}"
-                    ) from exc
-                return
-            now = time.monotonic()
-            self._check_epoch(now)
-            if now > deadline:
-                raise LiveAborted(f"collective did not complete in {self.timeout_s:g}s")
-            time.sleep(0.0005)
-
-    def _check_epoch(self, now: float) -> None:
-        """At most every 5 ms: an aborting epoch change raises LiveAborted; a growing one
-        is flagged, to be agreed at the next step boundary."""
-        if now < self._next_epoch_check:
-            return
-        self._next_epoch_check = now + 0.005
-        rec = self._read_epoch()
-        current = self.epoch.number if self.epoch else -1
-        if rec is not None and rec.number != current:
-            if rec.abort or self.env.worker_id not in rec.members:
-                raise LiveAborted(f"epoch {rec.number} replaced epoch {current}")
-            self._pending_change = True
-
     # -- membership -------------------------------------------------------------------------
-    def _next_epoch(self, after: int) -> EpochRecord:
-        """Wait until an epoch newer than ``after`` that includes this worker is published."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            since = self.store.revision()
-            self._check_finished()
-            rec = self._read_epoch()
-            if rec is not None and rec.number > after:
-                if self.env.worker_id in rec.members:
-                    return rec
-                if time.monotonic() > deadline:
-                    raise LiveAborted(f"excluded from epoch {rec.number}")
-            if time.monotonic() > deadline:
-                raise LiveAborted(
-                    f"no new membership epoch after {after} within {self.timeout_s:g}s"
-                )
-            self.store.wait_for_change(self._epoch_key, since, 0.5)
-
-    def _check_finished(self) -> None:
-        if not self.has_state and self.store.get(self._done_key) is not None:
-            raise _TrainingFinished()
-
     def _rejoin(self, *, reason: str) -> None:
         t0 = time.monotonic()
-        if self._pg is not None:
-            self._abandoned.append(self._pg)
-            _leak(self._pg)
-            self._pg = None
-        after = self.epoch.number if self.epoch is not None else -1
+        self.group.abandon()
+        after = self.group.epoch.number if self.group.epoch is not None else -1
         while True:
-            rec = self._next_epoch(after)
+            rec = self.group.next_epoch(after, has_state=self.has_state)
             try:
                 self._join(rec, reason=reason, t0=t0)
                 return
@@ -447,44 +332,30 @@ class LiveLoop:
                 after = rec.number
 
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
-        rank, world = rec.members.index(self.env.worker_id), len(rec.members)
-        prefix = dist.PrefixStore(f"{self._ns}{rec.number}/", self._raw)
         report: dict[str, Any] = {"step": self.committed, "has_state": self.has_state}
         if self.has_state:
             report["checksum"] = state_checksum(self.model)
-        prefix.set(f"ready/{rank}", json.dumps(report))
-        names = [f"ready/{r}" for r in range(world)]
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                prefix.wait(names, timedelta(seconds=0.2))
-                break
-            except RuntimeError as exc:
-                if "timeout" not in str(exc).lower():
-                    raise LiveAborted(f"store failed during agreement: {exc}") from exc
-            self._check_finished()
-            latest = self._read_epoch()
-            if latest is not None and latest.number != rec.number:
-                raise LiveAborted(f"epoch {latest.number} superseded {rec.number} during agreement")
-            if time.monotonic() > deadline:
-                raise LiveAborted(f"members of epoch {rec.number} did not all arrive")
-        reports = [
-            MemberReport(int(d["step"]), bool(d["has_state"]), d.get("checksum"))
-            for d in (json.loads(bytes(v)) for v in prefix.multi_get(names))
-        ]
-        plan = plan_recovery(reports, formed=self.store.get(self._formed_key) is not None)
-        pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=self.timeout_s))
-        self._pg, self.epoch, self.rank, self.world_size = pg, rec, rank, world
-        self._pending_change = False
+        reports = self.group.agree(rec, report, has_state=self.has_state)
+        plan = plan_recovery(reports, formed=self.group.formed_before())
+        self.rank, self.world_size = self.group.form(rec)
         self._flags = (0.0, 0.0)
         error = None
-        if plan.load_durable and rank == plan.source:
+        if plan.load_durable and self.rank == plan.source:
             try:
                 self._restore_durable(rec.number, plan.fallback)
             except CheckpointError as exc:
                 error = str(exc)
         if plan.transfer:
-            self._transfer(plan.source, error)
+            self.committed = broadcast_state(
+                self.group.pg,
+                self.group.wait,
+                rank=self.rank,
+                source=plan.source,
+                model=self.model,
+                optimizer=self.optimizer,
+                step=self.committed,
+                error=error,
+            )
         elif error is not None:
             raise CheckpointError(error)
         first = not self.has_state
@@ -493,8 +364,8 @@ class LiveLoop:
         self.events.emit(
             "live_joined",
             epoch=rec.number,
-            rank=rank,
-            world_size=world,
+            rank=self.rank,
+            world_size=self.world_size,
             step=self.committed,
             source=plan.source if plan.transfer else None,
             fallback=plan.fallback,
@@ -506,47 +377,7 @@ class LiveLoop:
             # Tells the agent that this worker holds live state (see LiveSupervisor).
             with contextlib.suppress(OSError):
                 self.env.heartbeat_file.write_text(STATE_MARK + "\n")
-            self.store.put(self._formed_key, str(rec.number).encode())
-
-    def _transfer(self, source: int, error: str | None = None) -> None:
-        """Every member takes ``source``'s state. ``error`` (on the source): it has no
-        state to give; every member raises CheckpointError with that message."""
-        payload = torch.empty(0, dtype=torch.uint8)
-        if self.rank == source and error is not None:
-            blob = error.encode()[:4096]
-            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            size = torch.tensor([-payload.numel()], dtype=torch.int64)
-        elif self.rank == source:
-            buf = io.BytesIO()
-            torch.save(
-                {
-                    "model": self.model.state_dict(),
-                    "optim": self.optimizer.state_dict(),
-                    "step": self.committed,
-                },
-                buf,
-            )
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self._pg.broadcast(size, source))
-        n = int(size.item())
-        if self.rank != source:
-            payload = torch.empty(abs(n), dtype=torch.uint8)
-        self._wait(self._pg.broadcast(payload, source))
-        if n < 0:
-            raise CheckpointError(
-                f"live recovery impossible (rank {source}): "
-                + payload.numpy().tobytes().decode(errors="replace")
-            )
-        if self.rank != source:
-            state = torch.load(
-                io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True
-            )
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
-            self.committed = int(state["step"])
+            self.group.mark_formed(rec.number)
 
     # -- durability -------------------------------------------------------------------------
     def _checkpointer(self) -> Any:
@@ -605,17 +436,6 @@ class LiveLoop:
         self._retire()
         if self._ckpt is not None:
             self._ckpt.close()
-
-
-_LEAKED: set[int] = set()
-
-
-def _leak(obj: Any) -> None:
-    """Give ``obj`` one reference that is never released, so that interpreter shutdown
-    never runs its destructor (see ``LiveLoop._retire``)."""
-    if id(obj) not in _LEAKED:
-        _LEAKED.add(id(obj))
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 __all__ = [
