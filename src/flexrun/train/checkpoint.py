@@ -2,8 +2,10 @@
 
 Owns which state is saved (registered stateful objects, per-rank RNG states, user
 extras), when the training loop may continue (after the host copy; persisting runs on a
-background thread, at most one in flight), how background errors reach the caller (on the
-next call, never silently), which checkpoint is loaded (the newest that verifies, with a
+background thread, at most one in flight), how errors reach the caller (a save the storage
+refuses, e.g. a full disk, is reported and training goes on until ``max_failed_saves`` in
+a row have failed; any other error, and that limit, raise on every rank at the next
+``save()``, never silently), which checkpoint is loaded (the newest that verifies, with a
 fallback event for each one skipped), and the checkpoint events. The layout and commit
 protocol live in ``flexrun.train.commit``; file operations in ``flexrun.train.storage``.
 
@@ -52,6 +54,7 @@ from flexrun.train.storage import (
     CpuPacer,
     PacedWriter,
     Storage,
+    StorageFailure,
     ThrottledWriter,
     open_storage,
 )
@@ -119,6 +122,7 @@ class Checkpointer:
         persist_max_bytes_s: float | None = None,
         persist_when_idle: bool = True,
         save_rng: bool = True,
+        max_failed_saves: int = 3,
         events: EventLog | None = None,
         storage: Storage | None = None,
         clock: Clock = SYSTEM_CLOCK,
@@ -156,6 +160,13 @@ class Checkpointer:
                 it takes only CPU time that training leaves unused; if training never
                 idles, the next ``save()`` waits for it (a visible stall, never a hang).
             save_rng: save and restore per-rank RNG states of torch/CUDA/numpy/Python.
+            max_failed_saves: a save the storage refuses (``ENOSPC``, ``EDQUOT``, ``EIO``,
+                ``EROFS``) leaves nothing behind, keeps the previous checkpoints, emits
+                ``checkpoint_save_failed`` (step, reason, consecutive count) and lets
+                training go on; the next scheduled save tries again. When this many saves
+                in a row have failed, the last failure raises (on every rank, at the next
+                ``save()`` for a background save), so a job never trains for hours with
+                nothing durable. 1: every failed save raises.
             events: event log; by default one in ``ctx.run_dir`` when that is set.
             storage: file operations (default: chosen from ``directory``); tests inject faults.
             clock: time source for stall/persist durations.
@@ -163,8 +174,12 @@ class Checkpointer:
 
         Raises:
             CheckpointError: bad retention values, unusable directory, or this writer's
-                round is older than the directory's fence (a straggler).
+                round is older than the directory's fence (a straggler). A directory the
+                storage refuses to write (full, read-only) is not an error here: claiming
+                its fence is retried by the first save.
         """
+        if max_failed_saves < 1:
+            raise CheckpointError(f"max_failed_saves must be >= 1, got {max_failed_saves}")
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -199,15 +214,35 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._max_failed = max_failed_saves
+        self._failed = 0
+        self._fence_claimed = False
         if events is None and self._ctx.run_dir is not None:
             events = EventLog(self._ctx.run_dir, run_id=self._ctx.run_id, node=self._ctx.node)
         if events is not None and events.round is None:
             events.round = self._ctx.round
         self._events = events
         if self._ctx.is_main:
-            self._storage.makedirs(self._root)
-            claim_fence(self._storage, self._root, self._ctx.round)
+            try:
+                self._claim_fence()
+            except StorageFailure as exc:
+                log.warning("checkpoint fence not claimed yet (retried by the first save): %s", exc)
+                self._emit("checkpoint_fence_deferred", reason=exc.reason, error=str(exc))
+
+    def _claim_fence(self) -> None:
+        """Claim the directory for this round and remove what crashed writers left.
+
+        Raises:
+            FencedError: a newer round owns the directory.
+            CheckpointError: the fence cannot be read or written.
+        """
+        self._storage.makedirs(self._root)
+        claim_fence(self._storage, self._root, self._ctx.round)
+        self._fence_claimed = True
+        try:
             remove_stale_staging(self._storage, self._root, self._ctx.round)
+        except StorageFailure as exc:  # leftovers only cost space; the next writer retries
+            log.warning("could not remove stale checkpoint staging: %s", exc)
 
     # -- registration -------------------------------------------------------------------
 
@@ -247,6 +282,12 @@ class Checkpointer:
         """True while a background persist is in flight."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def failed_saves(self) -> int:
+        """How many saves in a row the storage refused (0 after a committed save). Only
+        the writing rank (rank 0) counts; read it after ``wait()`` for the latest."""
+        return self._failed
+
     def steps(self) -> list[int]:
         """Committed (not necessarily verified) checkpoint steps, ascending."""
         return list_steps(self._storage, self._root)
@@ -263,17 +304,27 @@ class Checkpointer:
         the checkpointer is synchronous), in which case it returns once the checkpoint is
         committed on every rank's view.
 
+        A save the storage refuses (full disk, read-only, I/O error) does not raise until
+        ``max_failed_saves`` in a row have failed (see the constructor).
+
         Raises:
-            CheckpointError: this or a previous background save failed; the previous
-                committed checkpoint is intact.
+            CheckpointError: on every rank: a previous background save failed for another
+                reason than the storage, or reached ``max_failed_saves``; or (foreground
+                saves) this one did. The previous committed checkpoint is intact.
         """
         if self._closed:
             raise CheckpointError("save() after close()")
         t0 = self._clock.monotonic()
         self._join()
-        self._raise_pending()
+        earlier = self._take_pending() if self._ctx.is_main else None
         rng = capture_rng() if self._save_rng else None
-        rngs = self._gather(rng)
+        # One collective tells every rank what rank 0 knows: they raise together instead
+        # of leaving the others blocked in their next collective.
+        rngs, fatal = self._gather_with_status(rng, None if earlier is None else str(earlier))
+        if fatal is not None:
+            raise CheckpointError(fatal) from earlier
+        error: CheckpointError | None = None
+        foreground = blocking or not self._async
         if self._ctx.is_main:
             background = self._async and not blocking
             defer = self._deferrable() if background and self._defer else None
@@ -302,10 +353,18 @@ class Checkpointer:
                 self._thread.start()
                 self._save_stall_s = self._clock.monotonic() - t0
             else:
-                self._persist(step, payload, background=False)
+                try:
+                    self._persist(step, payload, background=False)
+                except CheckpointError as exc:
+                    error = exc
                 self._save_stall_s = self._clock.monotonic() - t0
-        if blocking and self._distributed():
-            dist.barrier()
+        if foreground and self._distributed():
+            # Also the barrier of a blocking save: no rank goes on before the commit.
+            outcome = self._broadcast(None if error is None else str(error))
+            if outcome is not None:
+                raise CheckpointError(outcome) from error
+        elif error is not None:
+            raise error
 
     def wait(self) -> None:
         """Block until the in-flight persist (if any) is committed.
@@ -335,12 +394,18 @@ class Checkpointer:
             self._thread = None
 
     def _raise_pending(self) -> None:
+        err = self._take_pending()
+        if err is not None:
+            raise err
+
+    def _take_pending(self) -> CheckpointError | None:
         err, self._error = self._error, None
         if err is None:
-            return
-        if isinstance(err, CheckpointError):
-            raise CheckpointError(f"background checkpoint save failed: {err}") from err
-        raise CheckpointError(f"background checkpoint save failed: {err!r}") from err
+            return None
+        what = str(err) if isinstance(err, CheckpointError) else repr(err)
+        out = CheckpointError(f"background checkpoint save failed: {what}")
+        out.__cause__ = err
+        return out
 
     def _deferrable(self) -> Callable[[torch.Tensor], bool] | None:
         """Tensors only ``optimizer.step()`` changes: parameters and optimizer state."""
@@ -383,6 +448,8 @@ class Checkpointer:
             for k, v in payload.items()
         }
         try:
+            if not self._fence_claimed:
+                self._claim_fence()
             manifest = commit_checkpoint(
                 self._storage,
                 self._root,
@@ -394,17 +461,25 @@ class Checkpointer:
                 clock=self._clock,
                 fault_hook=self._fault_hook,
             )
+        except StorageFailure as exc:
+            self._storage_failed(step, exc)
+            return
         except CheckpointError as exc:
-            self._emit("checkpoint_save_failed", step=step, error=str(exc))
+            self._emit("checkpoint_save_failed", step=step, error=str(exc), fatal=True)
             raise
+        self._failed = 0
         persist_s = self._clock.monotonic() - t0
-        removed = prune(
-            self._storage,
-            self._root,
-            keep_last=self._keep_last,
-            keep_every=self._keep_every,
-            protect=step,
-        )
+        removed: list[int] = []
+        try:
+            removed = prune(
+                self._storage,
+                self._root,
+                keep_last=self._keep_last,
+                keep_every=self._keep_every,
+                protect=step,
+            )
+        except StorageFailure as exc:  # the new checkpoint is committed; pruning retries later
+            log.warning("checkpoint retention could not delete old checkpoints: %s", exc)
         self._emit(
             "checkpoint_saved",
             step=step,
@@ -415,6 +490,34 @@ class Checkpointer:
             persist_s=round(persist_s, 6),
             path=self._storage.join(self._root, f"step_{step}"),
             pruned=removed,
+        )
+
+    def _storage_failed(self, step: int, exc: StorageFailure) -> None:
+        """Report a save the storage refused; raise once ``max_failed_saves`` in a row did."""
+        self._failed += 1
+        fatal = self._failed >= self._max_failed
+        self._emit(
+            "checkpoint_save_failed",
+            step=step,
+            reason=exc.reason,
+            error=str(exc),
+            consecutive=self._failed,
+            max_failed_saves=self._max_failed,
+            fatal=fatal,
+        )
+        if fatal:
+            raise CheckpointError(
+                f"{self._failed} checkpoint saves in a row failed (max_failed_saves="
+                f"{self._max_failed}), the last at step {step}: {exc}"
+            ) from exc
+        log.warning(
+            "checkpoint save at step %d failed (%s, %d in a row, limit %d); training goes on, "
+            "the previous checkpoints are intact and the next save tries again: %s",
+            step,
+            exc.reason,
+            self._failed,
+            self._max_failed,
+            exc,
         )
 
     # -- loading ------------------------------------------------------------------------
@@ -505,14 +608,16 @@ class Checkpointer:
     def _distributed(self) -> bool:
         return self._ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def _gather(self, obj: Any) -> list[Any] | None:
-        if obj is None:
-            return None
+    def _gather_with_status(
+        self, rng: Any, status: str | None
+    ) -> tuple[list[Any] | None, str | None]:
+        """Every rank's ``rng`` (None when RNG states are not saved) and rank 0's ``status``."""
         if not self._distributed():
-            return [obj]
+            return (None if rng is None else [rng]), status
         out: list[Any] = [None] * self._ctx.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        dist.all_gather_object(out, (rng, status))
+        rngs = None if rng is None else [r for r, _ in out]
+        return rngs, out[0][1]
 
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed():
@@ -523,7 +628,10 @@ class Checkpointer:
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self._events is not None and self._ctx.is_main:
-            self._events.emit(event, rank=self._ctx.rank, **fields)
+            try:
+                self._events.emit(event, rank=self._ctx.rank, **fields)
+            except OSError as exc:  # the run directory may share the full disk
+                log.warning("could not log the %s event: %s", event, exc)
 
 
 def _torch_writer(

@@ -9,9 +9,15 @@ decides when to save.
 
 Commit steps, in order (each is a fault-injection point named in ``COMMIT_STAGES``):
 stage files in ``.tmp-step_<N>-r<round>-<id>/`` (each file fsynced, then the directory),
-write ``manifest.json`` last, check the fence, rename the directory to ``step_<N>``
-(never over a live one), fsync the root, point ``latest`` at it by atomic rename,
-re-check the fence, prune old checkpoints.
+write ``manifest.json`` last, write the new ``latest`` pointer to a temporary file, check
+the fence, rename the directory to ``step_<N>`` (never over a live one), fsync the root,
+point ``latest`` at it by atomic rename, re-check the fence, prune old checkpoints.
+
+Failures: every byte is written before anything is published, so a full disk (or any
+write error) fails a save before the rename and leaves no file behind. An error after
+the rename (the pointer's rename, a raised fence) withdraws the new checkpoint, so a save
+reported failed never leaves a new checkpoint visible; a checkpoint moved aside to be
+re-saved is put back.
 
 Fencing: the one writer of round R claims ``fence.json`` (R) when its Checkpointer is
 built; a writer of an older round is refused at construction, before staging and before
@@ -42,7 +48,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 FENCE = "fence.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-r(\d+)-[0-9a-f]+$")
+_TMP_RE = re.compile(r"^\.(?:tmp|trash|latest|fence)-(?:.*-)?r(\d+)-[0-9a-f]+$")
 
 COMMIT_STAGES = (
     "dir_created",
@@ -178,14 +184,19 @@ def claim_fence(storage: Storage, root: str, round: int) -> None:
     check_fence(storage, root, round)
     if read_fence(storage, root) == round:
         return
-    tmp = storage.join(root, f".fence-{uuid.uuid4().hex}")
+    tmp = storage.join(root, f".fence-r{round}-{uuid.uuid4().hex}")
     payload = json.dumps({"round": round}).encode()
     storage.write_file(tmp, lambda f: f.write(payload))
-    storage.rename(tmp, storage.join(root, FENCE), replace=True)
+    try:
+        storage.rename(tmp, storage.join(root, FENCE), replace=True)
+    except CheckpointError:
+        _remove_quietly(storage, tmp)
+        raise
 
 
 def remove_stale_staging(storage: Storage, root: str, round: int) -> list[str]:
-    """Delete staging/trash directories left by crashed writers of rounds <= ``round``.
+    """Delete staging/trash directories and temporary pointer/fence files left by crashed
+    writers of rounds <= ``round``.
 
     Only the one writer of ``round`` may call this, before it starts writing.
     """
@@ -295,35 +306,78 @@ def finalize_staged(
     body = manifest.to_json()
     storage.write_file(storage.join(tmp, MANIFEST), lambda f: f.write(body))
     hook("manifest_written")
-    check_fence(storage, root, round)
-    hook("fence_checked")
-    if step in list_steps(storage, root):
-        # Re-saving a step (a resumed run redoing work after falling back past a bad
-        # checkpoint): move the old one aside first; a crash here leaves older ones.
-        trash = storage.join(root, f".trash-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}")
-        storage.rename(final, trash, replace=False)
-        storage.rename(tmp, final, replace=False)
-        storage.remove_tree(trash)
-    else:
-        storage.rename(tmp, final, replace=False)
-    hook("renamed")
-    pointer = storage.join(root, f".latest-{uuid.uuid4().hex[:12]}")
+    # The pointer's bytes are written before anything is published, so a full disk fails
+    # the save here and never after the checkpoint became visible.
+    pointer = storage.join(root, f".latest-r{round}-{uuid.uuid4().hex[:12]}")
     name_bytes = step_dir_name(step).encode()
     storage.write_file(pointer, lambda f: f.write(name_bytes))
-    storage.rename(pointer, storage.join(root, LATEST), replace=True)
-    hook("latest_updated")
+    trash: str | None = None
+    published = False
     try:
         check_fence(storage, root, round)
-    except FencedError:
-        # A newer round claimed the directory while we committed: withdraw ours.
-        storage.remove_tree(final)
-        raise
-    hook("committed")
+        hook("fence_checked")
+        if step in list_steps(storage, root):
+            # Re-saving a step (a resumed run redoing work after falling back past a bad
+            # checkpoint): move the old one aside first; it comes back if this one fails.
+            trash = storage.join(
+                root, f".trash-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}"
+            )
+            storage.rename(final, trash, replace=False)
+        try:
+            storage.rename(tmp, final, replace=False)
+        except CheckpointError:
+            _restore(storage, trash, final)
+            raise
+        published = True
+        hook("renamed")
+        try:
+            storage.rename(pointer, storage.join(root, LATEST), replace=True)
+            hook("latest_updated")
+            check_fence(storage, root, round)
+        except CheckpointError:
+            # A newer round claimed the directory while we committed, or the storage
+            # failed: withdraw ours, so that a save reported failed left nothing new.
+            _withdraw(storage, final)
+            _restore(storage, trash, final)
+            _remove_quietly(storage, pointer)
+            raise
+        hook("committed")
+    finally:
+        if not published:
+            _remove_quietly(storage, pointer)
+    if trash is not None:
+        _remove_quietly(storage, trash)  # the new checkpoint is committed either way
     return manifest
 
 
+def _restore(storage: Storage, trash: str | None, final: str) -> None:
+    """Put a checkpoint moved aside for a re-save back in place (best effort, logged)."""
+    if trash is None:
+        return
+    try:
+        storage.rename(trash, final, replace=False)
+    except CheckpointError as exc:
+        logging.getLogger(__name__).error(
+            "could not move the previous checkpoint %s back to %s: %s", trash, final, exc
+        )
+
+
+def _withdraw(storage: Storage, final: str) -> None:
+    try:
+        storage.remove_tree(final)
+    except CheckpointError as exc:  # the original error is the one raised
+        logging.getLogger(__name__).error("could not withdraw checkpoint %s: %s", final, exc)
+
+
+def _remove_quietly(storage: Storage, path: str) -> None:
+    try:
+        storage.remove_tree(path)
+    except CheckpointError as exc:  # left for remove_stale_staging; the caller's error matters more
+        _note(exc)
+
+
 def _note(exc: BaseException) -> None:
-    logging.getLogger(__name__).warning("staging cleanup failed: %s", exc)
+    logging.getLogger(__name__).warning("checkpoint cleanup failed: %s", exc)
 
 
 def read_latest(storage: Storage, root: str) -> int | None:

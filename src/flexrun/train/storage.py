@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -22,6 +23,28 @@ from typing import Any, BinaryIO, Protocol
 
 from flexrun._clock import Clock
 from flexrun.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+"""Errors that say the storage refused the bytes (full, over quota, failing, read-only),
+not that the checkpoint or the program is wrong: a later save may well succeed."""
+
+
+class StorageFailure(CheckpointError):
+    """A checkpoint file operation failed because of the storage (see ``STORAGE_ERRNOS``).
+
+    The Checkpointer counts these instead of stopping training (``max_failed_saves``).
+    """
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.errno = code
+
+    @property
+    def reason(self) -> str:
+        """The errno's symbolic name (``ENOSPC``, ``EIO`` ...)."""
+        return errno.errorcode.get(self.errno, str(self.errno))
 
 
 class HashingWriter:
@@ -161,13 +184,16 @@ class PacedWriter:
 
 
 class Storage(Protocol):
-    """File operations of the commit protocol. Every method raises ``CheckpointError``."""
+    """File operations of the commit protocol. Every method raises ``CheckpointError``
+    (:class:`StorageFailure` when the storage itself refused: full, read-only, failing)."""
 
     def write_file(self, path: str, writer: Any) -> tuple[int, str]:
         """Create ``path``, call ``writer(fileobj)``, make it durable; return (size, sha256).
 
         Raises:
-            CheckpointError: the write or the sync failed (e.g. ``ENOSPC``).
+            StorageFailure: the storage refused it (``ENOSPC``, ``EIO`` ...); nothing is
+                left at ``path``.
+            CheckpointError: the write or the sync failed otherwise.
         """
         ...
 
@@ -220,7 +246,21 @@ class Storage(Protocol):
 
 def _fail(what: str, path: str, exc: BaseException) -> CheckpointError:
     detail = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
-    return CheckpointError(f"checkpoint {what} failed for {path}: {detail}")
+    message = f"checkpoint {what} failed for {path}: {detail}"
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        return StorageFailure(message, exc.errno)
+    return CheckpointError(message)
+
+
+def _discard_partial(remove: Callable[[], None], path: str) -> None:
+    """Remove what a failed write left at ``path``; a failure to do so is logged (the
+    write's own error is the one raised)."""
+    try:
+        remove()
+    except FileNotFoundError:
+        return
+    except Exception as exc:  # the storage is failing: the caller raises the first error
+        log.warning("could not remove the partial checkpoint file %s: %s", path, exc)
 
 
 def fsync_dir(path: str) -> None:
@@ -248,6 +288,8 @@ class LocalStorage:
             raise
         except Exception as exc:  # OSError, or a serializer's rewrap of one
             cause = hw.error if hw is not None and hw.error is not None else exc
+            if hw is not None:  # the file was created: leave nothing torn behind
+                _discard_partial(lambda: os.unlink(path), path)
             raise _fail("write", path, cause) from exc
 
     def read_bytes(self, path: str) -> bytes:
@@ -313,6 +355,8 @@ class FsspecStorage:
             raise
         except Exception as exc:  # fsspec backends raise their own types
             cause = hw.error if hw is not None and hw.error is not None else exc
+            if hw is not None:
+                _discard_partial(lambda: self._fs.rm(path), path)
             raise _fail("write", path, cause) from exc
 
     def read_bytes(self, path: str) -> bytes:
