@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from html.parser import HTMLParser
 from pathlib import Path
 
 import psutil
@@ -164,3 +165,56 @@ def scrape_metrics(port: int) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+_VOID_TAGS = frozenset(
+    {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
+)
+
+
+class HtmlTables(HTMLParser):
+    """The rows of every table (cell text as written, whitespace kept) and the ``src`` of
+    every image of an HTML page. With ``balanced=True`` every end tag must close the
+    innermost open element (an AssertionError says where not); ``stack`` then holds what
+    is still open, ``[]`` for a well-formed page after ``close()``."""
+
+    def __init__(self, *, balanced: bool = False) -> None:
+        super().__init__()
+        self.balanced = balanced
+        self.stack: list[str] = []
+        self.images: list[str] = []
+        self.rows: list[list[str]] = []
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+
+    @property
+    def stripped_rows(self) -> list[list[str]]:
+        return [[c.strip() for c in row] for row in self.rows]
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag not in _VOID_TAGS:
+            self.stack.append(tag)
+        if tag == "img":
+            self.images.append(dict(attrs).get("src") or "")
+        elif tag == "tr":
+            self._row = []
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.balanced:
+            assert self.stack and self.stack[-1] == tag, (
+                f"unbalanced </{tag}> after {self.stack[-3:]}"
+            )
+        if self.stack and self.stack[-1] == tag:
+            self.stack.pop()
+        if tag in ("td", "th") and self._row is not None and self._cell is not None:
+            self._row.append("".join(self._cell))
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)

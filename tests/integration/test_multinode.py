@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from support import (
@@ -14,6 +15,7 @@ from support import (
     free_port,
     read_events,
     read_progress,
+    scrape_metrics,
     wait_for,
     worlds_after,
 )
@@ -57,22 +59,6 @@ def _agent(procs: Procs, store: tuple[str, int], name: str, progress, *extra: st
     )
 
 
-def _scrape(port: int) -> dict[str, float]:
-    """Unlabelled samples of the agent's Prometheus endpoint."""
-    import urllib.request
-
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if line and not line.startswith("#") and "{" not in name:
-            out[name] = float(value)
-    return out
-
-
 @pytest.mark.timeout(240)
 def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it_back(
     procs: Procs, store_server: tuple[str, int]
@@ -85,21 +71,21 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
         lambda: 4 in {r["world"] for r in read_progress(progress)}, 90, "a 2-node round (world 4)"
     )
     wait_for(
-        lambda: _scrape(metrics_port).get("flexrun_world_size") == 4.0, 30, "metrics: world size 4"
+        lambda: scrape_metrics(metrics_port).get("flexrun_world_size") == 4.0,
+        30,
+        "metrics: world size 4",
     )
 
     tree_a = [p.pid for p in descendants(a.pid)]
     os.killpg(a.pid, signal.SIGKILL)  # the agent and its workers: a lost node
     a.wait(timeout=10)
-    import time
-
     t_kill = time.time()
     wait_for(
         lambda: 2 in worlds_after(progress, t_kill + 0.5), 60, "survivor training alone at world 2"
     )
     assert b.poll() is None
     wait_for(
-        lambda: _scrape(metrics_port).get("flexrun_world_size") == 2.0,
+        lambda: scrape_metrics(metrics_port).get("flexrun_world_size") == 2.0,
         30,
         "metrics to show world size 2",
     )
@@ -123,8 +109,6 @@ def test_kill_9_of_one_agent_leaves_the_survivor_alone_then_a_new_agent_grows_it
 def test_a_stopped_node_is_removed_within_the_heartbeat_timeout(
     procs: Procs, store_server: tuple[str, int]
 ) -> None:
-    import time
-
     progress = procs.tmp / "progress.jsonl"
     a = _agent(procs, store_server, "a", progress)
     b = _agent(procs, store_server, "b", progress)

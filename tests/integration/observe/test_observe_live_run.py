@@ -12,11 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from support import DDP_STEPS, Procs, read_events, read_progress, scrape_metrics, wait_for
+from support import (
+    DDP_STEPS,
+    HtmlTables,
+    Procs,
+    read_events,
+    read_progress,
+    scrape_metrics,
+    wait_for,
+)
 
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics
 from flexrun.observe.report import LOST_PNG, REPORT_FILE, TIMELINE_PNG, analyze, load_events
@@ -112,40 +119,6 @@ def test_status_shows_both_members_of_a_running_two_node_job_and_rejects_an_unkn
 def _rounds_after(progress: Path, ts: float) -> dict[int, int]:
     """round -> world size, for progress lines written after ``ts``."""
     return {r["round"]: r["world"] for r in read_progress(progress) if r["ts"] > ts}
-
-
-class _Page(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stack: list[str] = []
-        self.images: list[str] = []
-        self.rows: list[list[str]] = []
-        self._row: list[str] | None = None
-        self._cell: list[str] | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag not in ("meta", "img", "br"):
-            self.stack.append(tag)
-        if tag == "img":
-            self.images.append(dict(attrs).get("src") or "")
-        elif tag == "tr":
-            self._row = []
-        elif tag in ("td", "th"):
-            self._cell = []
-
-    def handle_endtag(self, tag: str) -> None:
-        assert self.stack and self.stack[-1] == tag, f"unbalanced </{tag}> after {self.stack[-3:]}"
-        self.stack.pop()
-        if tag in ("td", "th") and self._row is not None and self._cell is not None:
-            self._row.append("".join(self._cell))
-            self._cell = None
-        elif tag == "tr" and self._row is not None:
-            self.rows.append(self._row)
-            self._row = None
-
-    def handle_data(self, data: str) -> None:
-        if self._cell is not None:
-            self._cell.append(data)
 
 
 @pytest.mark.timeout(300)
@@ -263,7 +236,7 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
     assert all(inc.lost_s >= inc.duration_s for inc in analysis.incidents)
 
     page = runs / REPORT_FILE
-    parser = _Page()
+    parser = HtmlTables(balanced=True)
     parser.feed(page.read_text())
     parser.close()
     assert parser.stack == []

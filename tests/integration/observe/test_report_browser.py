@@ -10,10 +10,10 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from support import HtmlTables
 
 from flexrun.observe.report import write_report
 
@@ -65,37 +65,6 @@ def _browse(tmp: Path, *args: str, timeout: float = 90) -> str:
     return out
 
 
-class _Rendered(HTMLParser):
-    """Rows of every table and the images of the DOM as Chromium serialised it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[list[str]] = []
-        self.images: list[str] = []
-        self._row: list[str] | None = None
-        self._cell: list[str] | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "img":
-            self.images.append(dict(attrs).get("src") or "")
-        elif tag == "tr":
-            self._row = []
-        elif tag in ("td", "th"):
-            self._cell = []
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("td", "th") and self._row is not None and self._cell is not None:
-            self._row.append("".join(self._cell).strip())
-            self._cell = None
-        elif tag == "tr" and self._row is not None:
-            self.rows.append(self._row)
-            self._row = None
-
-    def handle_data(self, data: str) -> None:
-        if self._cell is not None:
-            self._cell.append(data)
-
-
 @pytest.fixture
 def page(tmp_path: Path) -> Iterator[Path]:
     run = tmp_path / "run"
@@ -107,11 +76,12 @@ def page(tmp_path: Path) -> Iterator[Path]:
 @pytest.mark.timeout(240)
 def test_chromium_renders_the_incident_table_of_a_recorded_run(page: Path, tmp_path: Path) -> None:
     dom = _browse(tmp_path, "--dump-dom", page.as_uri())
-    parsed = _Rendered()
+    parsed = HtmlTables()
     parsed.feed(dom)
-    header = next(r for r in parsed.rows if r[:3] == ["#", "time", "cause"])
+    rows = parsed.stripped_rows
+    header = next(r for r in rows if r[:3] == ["#", "time", "cause"])
     assert "recovery" in header
-    incidents = [r for r in parsed.rows if len(r) == len(header) and r[0].isdigit()]
+    incidents = [r for r in rows if len(r) == len(header) and r[0].isdigit()]
     assert [r[2] for r in incidents] == ["worker_failure", "scale_up", "preempted"]
     assert "SIGKILL" in incidents[0][3] and "SIGTERM" in incidents[2][3]
     assert [r[5] for r in incidents] == ["2 -> 2", "2 -> 4", "4 -> 2"]
