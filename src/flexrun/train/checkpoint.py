@@ -367,10 +367,13 @@ class Checkpointer:
             raise error
 
     def wait(self) -> None:
-        """Block until the in-flight persist (if any) is committed.
+        """Block until the in-flight persist (if any) is committed or has failed.
+
+        A persist the storage refused below ``max_failed_saves`` in a row does not raise
+        (it was reported as ``checkpoint_save_failed``); :attr:`failed_saves` says so.
 
         Raises:
-            CheckpointError: the background persist failed.
+            CheckpointError: the background persist failed otherwise, or reached the limit.
         """
         self._join()
         self._raise_pending()
