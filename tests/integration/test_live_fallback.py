@@ -23,6 +23,9 @@ from live_support import (
 from support import Procs, read_events, wait_for
 
 STEPS = 100
+ALL_STEPS = (
+    300  # long enough that a warm spare is ready well before the end, even on a busy machine
+)
 CKPT_EVERY = 5
 
 
@@ -38,12 +41,12 @@ def _fallbacks(run: Path) -> list[dict]:
 def test_kill_9_of_every_worker_restarts_all_from_the_latest_checkpoint_bitwise(
     procs: Procs,
 ) -> None:
-    reference = reference_weights(procs, STEPS)
+    reference = reference_weights(procs, ALL_STEPS)
     ckpt = procs.tmp / "all" / "ckpt"
     agent, run = start_live(
         procs,
         "all",
-        steps=STEPS,
+        steps=ALL_STEPS,
         script_args=("--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY)),
     )
     pids = live_workers(run / "run", 4)
@@ -52,7 +55,7 @@ def test_kill_9_of_every_worker_restarts_all_from_the_latest_checkpoint_bitwise(
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
-    assert max(r["step"] for r in step_rows(run)) < STEPS - 20, "killed too late to test"
+    assert max(r["step"] for r in step_rows(run)) < ALL_STEPS - 20, "killed too late to test"
     durable_at_kill = _durable_steps(run)[-1]
     assert agent.wait(timeout=300) == 0, procs.stderr("all")[-3000:]
 

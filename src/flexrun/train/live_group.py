@@ -193,20 +193,30 @@ class EpochGroup:
         prefix = dist.PrefixStore(f"{self._ns}{rec.number}/", self._raw)
         prefix.set(f"ready/{rank}", json.dumps(report))
         names = [f"ready/{r}" for r in range(world)]
-        deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
+        deadline, look, pause = now + self.timeout_s, now + 0.2, 0.001
+        # Polled with check(), never a short wait(): each timed-out wait() logs a c10d
+        # warning whose formatting does a reverse DNS lookup of the socket's address,
+        # which took 5-10 s here (no DNS server reachable) and stalled a recovery 10 s.
         while True:
             try:
-                prefix.wait(names, timedelta(seconds=0.2))
-                break
+                if prefix.check(names):
+                    break
             except RuntimeError as exc:
-                if "timeout" not in str(exc).lower():
-                    raise LiveAborted(f"store failed during agreement: {exc}") from exc
-            self.check_finished(has_state=has_state)
-            latest = self.read_epoch()
-            if latest is not None and latest.number != rec.number:
-                raise LiveAborted(f"epoch {latest.number} superseded {rec.number} during agreement")
-            if time.monotonic() > deadline:
-                raise LiveAborted(f"members of epoch {rec.number} did not all arrive")
+                raise LiveAborted(f"store failed during agreement: {exc}") from exc
+            now = time.monotonic()
+            if now >= look:
+                look = now + 0.2
+                self.check_finished(has_state=has_state)
+                latest = self.read_epoch()
+                if latest is not None and latest.number != rec.number:
+                    raise LiveAborted(
+                        f"epoch {latest.number} superseded {rec.number} during agreement"
+                    )
+                if now > deadline:
+                    raise LiveAborted(f"members of epoch {rec.number} did not all arrive")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.01)
         self._prefix = prefix
         return [
             MemberReport(int(d["step"]), bool(d["has_state"]), d.get("checksum"))

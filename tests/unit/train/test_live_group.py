@@ -1,0 +1,164 @@
+"""EpochGroup (agreement, supersession, group formation) and broadcast_state, with a real
+in-process store and one thread per member: the pieces of a live recovery below the loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flexrun.live_protocol import EpochRecord, live_keys
+from flexrun.store.tcp import TcpStoreServer
+from flexrun.train.live_group import EpochGroup, LiveAborted, LiveEnv, TrainingFinished
+from flexrun.train.live_plan import MemberReport
+from flexrun.train.live_sync import broadcast_state, state_checksum
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def server() -> Iterator[TcpStoreServer]:
+    srv = TcpStoreServer("127.0.0.1", 0)
+    yield srv
+    srv.close()
+
+
+def _env(port: int, worker: str, tmp: Path) -> LiveEnv:
+    return LiveEnv(
+        store_host="127.0.0.1",
+        store_port=port,
+        run_id="unit",
+        worker_id=worker,
+        heartbeat_file=tmp / f"{worker}.hb",
+        heartbeat_interval_s=0.5,
+        run_dir=None,
+        round=0,
+    )
+
+
+def _publish(group: EpochGroup, rec: EpochRecord) -> None:
+    group.store.put(live_keys("unit")[0], rec.encode())
+
+
+def _run_all(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Run each member's part in its own thread; return results (or raised exceptions)."""
+    out: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except Exception as exc:  # handed back to the test, which asserts on it
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a member never returned"
+    return out
+
+
+def test_members_agree_on_every_report_in_rank_order(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=10)
+    b = EpochGroup(_env(server.port, "b", tmp_path), timeout_s=10)
+    rec = EpochRecord(1, ("b", "a"), False)
+    _publish(a, rec)
+    got = _run_all(
+        [
+            lambda: a.agree(rec, {"step": 5, "has_state": True, "checksum": "x"}, has_state=True),
+            lambda: b.agree(rec, {"step": 0, "has_state": False}, has_state=False),
+        ]
+    )
+    expected = [MemberReport(0, False, None), MemberReport(5, True, "x")]
+    assert got == [expected, expected]
+    ranks = _run_all([lambda: a.form(rec), lambda: b.form(rec)])
+    assert ranks == [(1, 2), (0, 2)]
+    assert a.epoch == rec and a.pg is not None and not a.pending_change
+    a.leak_all()
+    b.leak_all()
+
+
+def test_a_newer_epoch_ends_an_agreement_that_cannot_complete(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=10)
+    rec = EpochRecord(1, ("a", "gone"), True)
+    _publish(a, rec)
+    timer = threading.Timer(0.3, _publish, (a, EpochRecord(2, ("a",), True)))
+    timer.start()
+    try:
+        with pytest.raises(LiveAborted, match="epoch 2 superseded 1"):
+            a.agree(rec, {"step": 3, "has_state": True, "checksum": "x"}, has_state=True)
+    finally:
+        timer.cancel()
+
+
+def test_a_stateless_worker_leaves_once_the_job_is_done(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=10)
+    a.mark_done(7)
+    with pytest.raises(TrainingFinished):
+        a.next_epoch(-1, has_state=False)
+    a.check_finished(has_state=True)  # a member that holds state finishes in the loop
+
+
+def test_changes_of_epoch_abort_or_defer_as_the_record_says(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=10)
+    a.epoch = EpochRecord(1, ("a", "b"), False)
+    _publish(a, EpochRecord(2, ("a", "b", "c"), False))
+    a.check_epoch(0.0)
+    assert a.pending_change  # growing: switch at the next step boundary
+    _publish(a, EpochRecord(3, ("a", "c"), True))
+    with pytest.raises(LiveAborted, match="epoch 3 replaced epoch 1"):
+        a.check_epoch(1.0)
+
+
+def test_broadcast_hands_the_source_state_to_every_member(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    groups = [EpochGroup(_env(server.port, w, tmp_path), timeout_s=10) for w in ("a", "b", "c")]
+    rec = EpochRecord(1, ("a", "b", "c"), False)
+    _publish(groups[0], rec)
+    models, opts = [], []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(4, 2)
+        o = torch.optim.Adam(m.parameters(), lr=0.1)
+        m(torch.ones(1, 4)).sum().backward()
+        o.step()
+        models.append(m)
+        opts.append(o)
+    assert len({state_checksum(m) for m in models}) == 3
+    report = {"step": 0, "has_state": False}
+    _run_all([lambda g=g: g.agree(rec, report, has_state=False) for g in groups])
+    _run_all([lambda g=g: g.form(rec) for g in groups])
+    steps = _run_all(
+        [
+            lambda i=i: broadcast_state(
+                groups[i].pg,
+                groups[i].wait,
+                rank=i,
+                source=1,
+                model=models[i],
+                optimizer=opts[i],
+                step=[0, 9, 4][i],
+            )
+            for i in range(3)
+        ]
+    )
+    assert steps == [9, 9, 9]
+    assert len({state_checksum(m) for m in models}) == 1
+    assert state_checksum(models[0]) == state_checksum(models[1])
+    assert all(o.state_dict()["state"][0]["step"] == 1 for o in opts)
+    for g in groups:
+        g.leak_all()
