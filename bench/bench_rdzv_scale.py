@@ -67,6 +67,10 @@ class Counter:
         self.records = 0
         self.fetched = 0
         self.wait_timeouts = 0
+        self.retries = 0  # StoreUnavailable raised into the agent loop (then backed off)
+        self.join_retries = 0
+        self.retry_ops: dict[str, int] = {}  # the protocol op that raised it
+        self.last_error = ""
         self.by_op: dict[str, int] = dict.fromkeys(OPS, 0)
         self.req_by_op: dict[str, int] = dict.fromkeys(OPS, 0)
         self.local = threading.local()  # the protocol op this thread is inside
@@ -93,9 +97,23 @@ class Counter:
             if role == "rdzv" and op is not None:
                 self.req_by_op[op] += 1
 
+    def retried(self, joined: bool, error: str) -> None:
+        op = getattr(self.local, "op", None) or "?"
+        with self.lock:
+            if joined:
+                self.retries += 1
+            else:
+                self.join_retries += 1
+            self.retry_ops[op] = self.retry_ops.get(op, 0) + 1
+            self.last_error = error[:200]
+
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {
+                "retries": self.retries,
+                "join_retries": self.join_retries,
+                "retry_ops": dict(self.retry_ops),
+                "last_error": self.last_error,
                 "ops": dict(self.ops),
                 "backend": dict(self.backend),
                 "records": self.records,
@@ -183,6 +201,21 @@ def count_backend(store: Any, counter: Counter, backend: str) -> None:
         store._post, store._watch = counted_post, counted_watch
 
 
+def outage_backoff_s(tries: int) -> float:
+    """The agent's pause after its ``tries``-th consecutive StoreUnavailable
+    (``Agent._on_outage``: 0.1, 0.2, 0.4, ... s, at most 2 s)."""
+    return min(2.0, 0.05 * 2 ** min(tries, 6))
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far; nan if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 SERVER_NICE = -10  # the store gets the CPU a dedicated store machine would have
 
 
@@ -195,7 +228,7 @@ def prioritise(pid: int) -> str:
     return f"server nice {SERVER_NICE}"
 
 
-def make_store(backend: str, host: str, port: int) -> Any:
+def make_store(backend: str, host: str, port: int, request_timeout_s: float) -> Any:
     if backend == "tcp":
         from flexrun.store.tcp import TcpStore
 
@@ -207,7 +240,7 @@ def make_store(backend: str, host: str, port: int) -> Any:
         backend="etcd-v3",
         endpoints=((host, port),),
         connect_timeout_s=60.0,
-        conf={"request_timeout": "30"},
+        conf={"request_timeout": f"{request_timeout_s:g}"},
     )
     return EtcdStore.from_settings(settings)
 
@@ -226,6 +259,7 @@ def child_main(
 
     logging.basicConfig(level=logging.ERROR)
     from flexrun.config import RendezvousSettings
+    from flexrun.errors import StoreUnavailable
     from flexrun.observe.events import EventLog
     from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 
@@ -252,7 +286,9 @@ def child_main(
         store = None
         try:
             try:
-                store = make_store(cfg["backend"], cfg["host"], cfg["port"])
+                store = make_store(
+                    cfg["backend"], cfg["host"], cfg["port"], cfg["request_timeout_s"]
+                )
                 count_backend(store, counter, cfg["backend"])
                 h = RendezvousHandler(
                     CountingStore(store, counter),
@@ -266,24 +302,34 @@ def child_main(
             if not go.wait(cfg["setup_timeout_s"] + 120):
                 raise TimeoutError("never released")
             deadline = time.monotonic() + cfg["round_timeout_s"]
-            h.join()
+            tries = 0  # consecutive failed passes, reset by a good one (as the agent does)
+            joined = False
             while True:
-                action = h.step(running=None)
-                if isinstance(action, Run):
-                    res["t_run"] = time.monotonic()
-                    res["ok"] = True
-                    res["round"] = action.round.number
-                    res["members"] = len(action.round.members)
-                    res["rank"] = action.round.group_rank(node_id)
-                    break
-                if isinstance(action, (Exit, Stop)):
-                    res["err"] = f"{type(action).__name__}: {action}"
-                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     res["err"] = "timeout: no Run action within --round-timeout"
                     break
-                h.wait(min(remaining, cfg["wait_s"]))
+                try:
+                    if not joined:
+                        h.join()
+                        joined = True
+                    action = h.step(running=None)
+                    if isinstance(action, Run):
+                        res["t_run"] = time.monotonic()
+                        res["ok"] = True
+                        res["round"] = action.round.number
+                        res["members"] = len(action.round.members)
+                        res["rank"] = action.round.group_rank(node_id)
+                        break
+                    if isinstance(action, (Exit, Stop)):
+                        res["err"] = f"{type(action).__name__}: {action}"
+                        break
+                    h.wait(min(deadline - time.monotonic(), cfg["wait_s"]))
+                    tries = 0
+                except StoreUnavailable as exc:
+                    counter.retried(joined, str(exc))
+                    tries += 1
+                    time.sleep(min(outage_backoff_s(tries), max(0.0, deadline - time.monotonic())))
         except BaseException as exc:  # noqa: BLE001 (reported, never hidden)
             res["err"] = f"{type(exc).__name__}: {exc}"[:300]
         res.update(counter.snapshot())
@@ -340,17 +386,16 @@ def tcp_server() -> Any:
         preexec_fn=raise_nofile,
     )
     try:
-        assert proc.stdout is not None
+        out = proc.stdout
+        assert out is not None
         port_q: queue.Queue[str] = queue.Queue()
-        threading.Thread(
-            target=lambda: port_q.put(proc.stdout.readline().decode()), daemon=True
-        ).start()
+        threading.Thread(target=lambda: port_q.put(out.readline().decode()), daemon=True).start()
         try:
             line = port_q.get(timeout=120)
         except queue.Empty:
             raise RuntimeError("tcp store server did not start within 120 s") from None
         print(f"   tcp store server pid {proc.pid}: {prioritise(proc.pid)}", flush=True)
-        yield ("127.0.0.1", int(line))
+        yield ("127.0.0.1", int(line), proc.pid)
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -364,10 +409,10 @@ def etcd_server() -> Any:
         tempfile.TemporaryDirectory(prefix="flexrun-rdzv-scale-") as tmp,
         EtcdCluster(Path(tmp), size=1) as cluster,
     ):
-        for proc in cluster.procs:
-            if proc is not None:
-                print(f"   etcd pid {proc.pid}: {prioritise(proc.pid)}", flush=True)
-        yield cluster.endpoints[0]
+        proc = cluster.procs[0]
+        assert proc is not None
+        print(f"   etcd pid {proc.pid}: {prioritise(proc.pid)}", flush=True)
+        yield (*cluster.endpoints[0], proc.pid)
 
 
 # -- one configuration ----------------------------------------------------------------------
@@ -375,7 +420,7 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
     procs = max(1, min(args.procs, n))
     server = tcp_server() if backend == "tcp" else etcd_server()
     ctx = mp.get_context("fork")  # the parent holds no threads or servers of its own
-    with server as (host, port):
+    with server as (host, port, server_pid):
         cfg = {
             "backend": backend,
             "n": n,
@@ -388,6 +433,7 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
             "round_timeout_s": args.round_timeout,
             "wait_s": args.wait,
             "setup_timeout_s": args.setup_timeout,
+            "request_timeout_s": args.request_timeout,
         }
         ready_q = ctx.Queue()
         start_ev, finish_ev = ctx.Event(), ctx.Event()
@@ -397,6 +443,7 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
             for p in range(procs)
         ]
         results: list[dict[str, Any]] = []
+        timed_s, cpu = float("nan"), [float("nan")] * (procs + 1)
         t_setup = time.monotonic()
         try:
             for c in children:
@@ -410,6 +457,8 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
                     raise RuntimeError(f"only {ready} of {procs} processes connected") from None
                 ready += kind == "ready"
             setup_s = time.monotonic() - t_setup
+            pids = [server_pid] + [c.pid for c in children if c.pid is not None]
+            cpu0 = [cpu_s(p) for p in pids]
             t0 = time.monotonic()
             start_ev.set()
             got = 0
@@ -422,6 +471,8 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
                 if kind == "results":
                     results.extend(batch)
                     got += 1
+            timed_s = time.monotonic() - t0
+            cpu = [cpu_s(p) - c for p, c in zip(pids, cpu0, strict=True)]
         finally:
             finish_ev.set()
             start_ev.set()
@@ -462,6 +513,18 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
         "rounds": rounds,
         "ranks_ok": ranks == list(range(n)),
         "errors": errors[:5],
+        "retries": sum(r["retries"] for r in results),
+        "join_retries": sum(r["join_retries"] for r in results),
+        "retried_agents": sum(1 for r in results if r["retries"] or r["join_retries"]),
+        "max_retries": max((r["retries"] + r["join_retries"] for r in results), default=0),
+        "retry_ops": {
+            op: sum(r["retry_ops"].get(op, 0) for r in results)
+            for op in sorted({op for r in results for op in r["retry_ops"]})
+        },
+        "retry_errors": sorted({r["last_error"] for r in results if r["last_error"]})[:3],
+        "timed_s": timed_s,
+        "server_cpu_s": cpu[0],
+        "agents_cpu_s": sum(cpu[1:]),
     }
 
 
@@ -488,8 +551,22 @@ def main() -> int:
     )
     ap.add_argument("--procs", type=int, default=8, help="processes the agents are spread over")
     ap.add_argument("--last-call", type=float, default=1.0)
-    ap.add_argument("--heartbeat-interval", type=float, default=5.0)
+    ap.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=30.0,
+        help="keep-alive interval (--rdzv-conf heartbeat_interval); the agent's default is 1 s, "
+        "a job of 1000+ nodes should use tens of seconds (N/interval writes per second)",
+    )
     ap.add_argument("--heartbeat-timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="the store client's per-request bound (--rdzv-conf request_timeout; the tcp client's "
+        "op timeout is 60 s); a request that exceeds it raises StoreUnavailable and the agent "
+        "backs off and retries",
+    )
     ap.add_argument(
         "--wait",
         type=float,
@@ -524,7 +601,8 @@ def main() -> int:
         f"flexrun rdzv scale bench: python {sys.version.split()[0]}, torch {torch.__version__}, "
         f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}, procs {args.procs}, "
         f"last_call {args.last_call:g}s, wait {args.wait:g}s, keep-alive every {args.heartbeat_interval:g}s "
-        f"(timeout {args.heartbeat_timeout:g}s), RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)}",
+        f"(timeout {args.heartbeat_timeout:g}s), request timeout {args.request_timeout:g}s, "
+        f"RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)}",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
@@ -565,6 +643,20 @@ def main() -> int:
                 f"   rounds seen {row['rounds']}, ranks 0..N-1 each once: {row['ranks_ok']}",
                 flush=True,
             )
+            print(
+                f"   StoreUnavailable retried (agent backoff 0.1..2 s): {row['retries']} in the loop + "
+                f"{row['join_retries']} in join, by {row['retried_agents']} agents (max "
+                f"{row['max_retries']} per agent); raised in {row['retry_ops'] or '-'}",
+                flush=True,
+            )
+            for e in row["retry_errors"]:
+                print(f"   retried error (example): {e}", flush=True)
+            print(
+                f"   CPU during the timed phase ({row['timed_s']:.1f}s wall x {os.cpu_count()} cores = "
+                f"{(os.cpu_count() or 1) * row['timed_s']:.0f} cpu-s): store server {row['server_cpu_s']:.1f} cpu-s, "
+                f"agent processes {row['agents_cpu_s']:.1f} cpu-s",
+                flush=True,
+            )
             for e in row["errors"]:
                 print(f"   error: {e}", flush=True)
 
@@ -573,7 +665,7 @@ def main() -> int:
         f"{'backend':7} {'N':>5} {'round s':>8} {'x':>5} {'ops/node mean/max':>18} {'x':>5} "
         f"{'requests/node mean/max':>23} {'x':>5} {'records read/node':>17} {'x':>6} "
         f"{'fetched/node':>12} {'x':>6} "
-        f"{'keep-alive req/node':>19}"
+        f"{'keep-alive req/node':>19} {'retries':>7} {'store cpu-s':>11}"
     )
     print(head)
     print("-" * len(head))
@@ -593,7 +685,8 @@ def main() -> int:
             f"{growth(p['records'][0], r['records'][0]) if p else '':>6} "
             f"{fmt(r['fetched'][0], '.0f'):>12} "
             f"{growth(p['fetched'][0], r['fetched'][0]) if p else '':>6} "
-            f"{fmt(r['hb_req'][0]):>19}"
+            f"{fmt(r['hb_req'][0]):>19} {r['retries'] + r['join_retries']:>7} "
+            f"{fmt(r['server_cpu_s']):>11}"
         )
         prev[r["backend"]] = r
     print(
