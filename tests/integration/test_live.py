@@ -29,7 +29,7 @@ from support import Procs, read_events, read_progress, wait_for
 def test_kill_9_of_a_worker_keeps_survivors_and_a_warm_spare_keeps_the_run_bitwise_identical(
     procs: Procs,
 ) -> None:
-    steps = 300  # the spare starts once the workers are up: leave it time to get ready (busy machine)
+    steps = 300  # the spare starts once the workers are up: leave it time to get ready
     reference = reference_weights(procs, steps)
     agent, run = start_live(procs, "killed", steps=steps)
     pids = live_workers(run / "run", 4)
