@@ -46,6 +46,11 @@ class View:
     """The highest round number this agent has seen. Round numbers never go back: a
     store that restarted (and lost the round) must not see a round numbered at or below
     it again, or the checkpoint fence refuses every writer of the new rounds."""
+    unconfirmed: frozenset[str] = frozenset()
+    """Alive nodes whose keep-alive this agent has not yet seen renewed, on a store whose
+    readers judge TTLs themselves (tcp): a dead node's last keep-alive looks fresh to a
+    reader that sees it for the first time. Such a node is not taken in as a newcomer
+    until it beats again (members stay judged by their keep-alive as usual)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,24 @@ def watches_membership(view: View) -> bool:
     return first == view.me
 
 
+def _eligible(view: View) -> Mapping[str, tuple[NodeRecord, int]]:
+    """The alive nodes a round may include: members of the current round, this agent, and
+    newcomers whose keep-alive this agent has seen renewed (see ``View.unconfirmed``).
+
+    Without it, a node killed just before another node started counts as alive for a
+    full TTL from the newcomer's first sight: the newcomer proposes it back and an older
+    node drops it again, round after round (a round storm seen in the chaos runs). The
+    very first round (no round record yet) takes everyone present, for a fast start."""
+    if not view.unconfirmed or view.round is None and view.floor == 0:
+        return view.alive
+    members = set(view.round.member_ids) if view.round is not None else set()
+    return {
+        n: v
+        for n, v in view.alive.items()
+        if n not in view.unconfirmed or n in members or n == view.me
+    }
+
+
 def decide(view: View, settings: RendezvousSettings) -> Action:
     """The next thing this agent should do."""
     r = view.round
@@ -148,7 +171,7 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
             return Wait("job finishing: waiting for local workers")
         return Exit(0, "job finished")
 
-    alive = view.alive
+    alive = _eligible(view)
     window_over = view.now - view.candidates_since >= settings.last_call_s
 
     if (r is None or r.number < view.floor) and view.floor > 0:

@@ -30,6 +30,7 @@ from flexrun.rendezvous.decide import (
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
+    PENDING,
     RUNNING,
     Keys,
     MasterRecord,
@@ -77,11 +78,16 @@ class RendezvousHandler:
         self._since_rev = 0
         self._watch_all = True  # see watches_membership
         self._alive_set: frozenset[str] = frozenset()
+        # Keep-alives this agent has seen: node -> (first revision seen, seen renewed since).
+        # Only where readers judge TTLs themselves (tcp): see View.unconfirmed.
+        self._beats_seen: dict[str, tuple[int, bool]] = {}
+        self._judges_ttl = bool(getattr(store, "judges_ttl_locally", False))
         self._candidates_since = clock.monotonic()
         self._joined_at = clock.monotonic()
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
+        self._left = False
 
     # -- membership --------------------------------------------------------------------
     def join(self) -> None:
@@ -115,7 +121,11 @@ class RendezvousHandler:
                     self._hb_failing = True
 
     def leave(self) -> None:
-        """Stop the keep-alive and remove this node so the others re-form at once."""
+        """Stop the keep-alive and remove this node so the others re-form at once.
+        Idempotent: a preempted agent leaves early, and again on its way out."""
+        if self._left:
+            return
+        self._left = True
         self._stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
@@ -141,9 +151,25 @@ class RendezvousHandler:
         for key, e in nodes.items():
             node_id = key[len(self.keys.nodes) :]
             registered.add(node_id)
-            if self.keys.heartbeat(node_id) in beats:
+            if self.keys.heartbeat(node_id) in beats or (
+                node_id == self.me.node_id and not self._stop.is_set()
+            ):
+                # An agent that reads is alive, whatever its own keep-alive looks like (a
+                # keep-alive thread starved past the TTL must not make it drop itself);
+                # the others judge it by the keep-alive.
                 alive[node_id] = (NodeRecord.decode(e.value), e.revision)
+        if self._judges_ttl:
+            seen = {}
+            for node_id in alive:
+                beat = beats.get(self.keys.heartbeat(node_id))
+                rev = beat.revision if beat is not None else 0
+                first, renewed = self._beats_seen.get(node_id, (rev, node_id == self.me.node_id))
+                seen[node_id] = (first, renewed or rev != first)
+            self._beats_seen = seen  # a node that vanishes is unconfirmed when it returns
         return rnd, alive, frozenset(registered)
+
+    def _unconfirmed(self) -> frozenset[str]:
+        return frozenset(n for n, (_, renewed) in self._beats_seen.items() if not renewed)
 
     def step(self, running: int | None) -> Action:
         """Read the store, decide, and perform a proposal if that is the decision.
@@ -194,6 +220,7 @@ class RendezvousHandler:
             candidates_since=self._candidates_since,
             settle_until=self._settle_until,
             floor=self._floor,
+            unconfirmed=self._unconfirmed(),
         )
         self._watch_all = watches_membership(view)
         action = decide(view, self.settings)
@@ -284,9 +311,10 @@ class RendezvousHandler:
         """Start the next round after a worker failure (or end the job if restarts are spent)."""
         while True:
             rnd, alive, _ = self._read()
-            if rnd is None or rnd.number != failed_round or rnd.state != "running":
+            if rnd is None:
+                return self._round_lost("a failure")
+            if rnd.number != failed_round or rnd.state != "running":
                 # Someone already moved on (another failure or a membership change).
-                assert rnd is not None
                 return rnd
             rec = next_round(
                 rnd,
@@ -304,13 +332,23 @@ class RendezvousHandler:
                 self._floor = max(self._floor, rec.number)
                 return rec
 
+    def _round_lost(self, what: str) -> RoundRecord:
+        """The store lost the round record (it restarted) while this agent reported
+        ``what``: nothing to count against; the next :meth:`step` forms a round above every
+        one seen once the nodes have re-registered. Returns the round as last known."""
+        log.warning("the store lost the round (restarted?) while reporting %s: not counted", what)
+        self._settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
+        known = self._known_round
+        return known if known is not None else RoundRecord(self._floor, PENDING, (), 0, "lost")
+
     def count_failure(self, root_cause: Mapping[str, Any]) -> RoundRecord:
         """Live mode: count a failure against --max-restarts without changing the round
         (survivors keep running); end the job if restarts are spent."""
         while True:
             rnd, _, _ = self._read()
-            if rnd is None or rnd.state != RUNNING:
-                assert rnd is not None
+            if rnd is None:
+                return self._round_lost("a failure")
+            if rnd.state != RUNNING:
                 return rnd
             restarts = rnd.restarts + 1
             if restarts > self.settings.max_restarts:

@@ -49,7 +49,9 @@ class Store(Protocol):
 
         With ``ttl_s`` the key is a keep-alive: it counts as absent once it has not been
         written for ``ttl_s`` seconds (etcd: a lease; tcp: judged by the reader, who must
-        have watched the key unchanged for that long).
+        have watched the key unchanged for that long, so a key it sees for the first time
+        looks fresh for a full TTL: such a store sets a class attribute
+        ``judges_ttl_locally = True``, which the rendezvous reads with ``getattr``).
 
         Raises:
             StoreUnavailable: the store cannot be reached.

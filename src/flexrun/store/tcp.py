@@ -147,6 +147,10 @@ def _decode(raw: bytes) -> tuple[int, float | None, bytes | None]:
 class TcpStore:
     """Client of a ``TCPStore`` server implementing :class:`flexrun.store.Store`."""
 
+    judges_ttl_locally = True
+    """Keep-alive TTLs are judged by each reader's clock (the rendezvous needs to know:
+    a key seen for the first time looks fresh for a full TTL, even a dead node's)."""
+
     def __init__(
         self,
         host: str,

@@ -232,3 +232,43 @@ def test_a_round_numbered_below_one_already_seen_is_replaced_by_a_higher_one() -
 def test_next_round_never_numbers_below_the_floor() -> None:
     assert next_round(None, alive("a"), S, "start", floor=7).number == 8
     assert next_round(rnd(9, "a"), alive("a"), S, "failure", floor=7).number == 10
+
+
+def _joiner_view(me: str, r: RoundRecord, clock: FakeClock, unconfirmed: set[str]) -> View:
+    nodes = alive("n2", "n3", "n1")
+    return View(
+        me=me,
+        round=r,
+        alive=nodes,
+        registered=frozenset(nodes),
+        running=None if me == "n3" else r.number,
+        now=clock.monotonic(),
+        candidates_since=clock.monotonic() - 10,
+        unconfirmed=frozenset(unconfirmed),
+    )
+
+
+def test_a_keep_alive_not_yet_seen_renewed_does_not_bring_a_lost_node_back() -> None:
+    """Chaos finding (round storm): n1 was killed and dropped from the round by n2; n3,
+    just started, first saw n1's last keep-alive and (on a store whose readers judge TTLs
+    themselves) counted it alive for a full TTL, proposing scale-up with n1 while n2 kept
+    dropping it again: ~70 rounds in 2 s. A non-member counts as a joiner only once this
+    reader has seen its keep-alive renewed."""
+    clock = FakeClock()
+    act = decide(_joiner_view("n3", rnd(10, "n2"), clock, {"n1"}), S)
+    assert isinstance(act, Propose) and act.record.member_ids == ["n2", "n3"]
+    assert act.joined == ("n3",)
+    # The next round (n2 and n3) is stable from n3's side while n1 stays unconfirmed.
+    act = decide(_joiner_view("n3", rnd(11, "n2", "n3"), clock, {"n1"}), S)
+    assert isinstance(act, Run)
+    # Seen renewed (n1 is really back): it joins as usual.
+    act = decide(_joiner_view("n3", rnd(11, "n2", "n3"), clock, set()), S)
+    assert isinstance(act, Propose) and act.joined == ("n1",)
+
+
+def test_an_unconfirmed_member_is_still_judged_by_its_keep_alive() -> None:
+    """The rule excludes unconfirmed newcomers only: a member's keep-alive keeps it in its
+    round (its loss is declared by whoever sees the keep-alive expire)."""
+    clock = FakeClock()
+    act = decide(_joiner_view("n3", rnd(11, "n2", "n1", "n3"), clock, {"n1", "n2"}), S)
+    assert isinstance(act, Run) and act.round.number == 11

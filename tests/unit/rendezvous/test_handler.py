@@ -5,6 +5,7 @@ from __future__ import annotations
 from flexrun.config import RendezvousSettings
 from flexrun.observe.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run, Wait
+from flexrun.rendezvous.state import Keys, RoundRecord
 from flexrun.store.memory import MemoryStore
 from flexrun.testing import FakeClock
 
@@ -212,3 +213,51 @@ def test_an_old_idle_agent_is_not_timed_out_by_the_settle_after_a_store_restart(
     b._beat()
     _wipe(store)
     assert isinstance(a.step(None), Wait)  # settling, not a RendezvousTimeout
+
+
+def test_a_failure_reported_after_a_store_restart_lost_the_round_is_not_a_crash() -> None:
+    """Chaos finding: a worker failed just as the store restarted; report_failure found no
+    round and the agent died on an assertion. Now the next round forms above the old one
+    once the nodes re-register."""
+    clock, store, a, b = _two_agents(min_nodes=1, max_nodes=2)
+    a.step(None)
+    act = b.step(None)
+    assert isinstance(act, Run) and act.round.number == 1
+    a.step(None)
+    _wipe(store)
+    rec = a.report_failure(1, {"rank": 0, "exit_code": 1})
+    assert rec.number >= 1
+    assert a.count_failure({"rank": 0, "exit_code": 1}).number >= 1
+    for _ in range(10):
+        for h in (a, b):
+            h.step(None)
+        clock.advance(0.5)
+        a._beat()
+        b._beat()
+    act_a, act_b = a.step(None), b.step(None)
+    assert isinstance(act_a, Run) and act_a.round == getattr(act_b, "round", None)
+    assert act_a.round.number > 1 and act_a.round.member_ids == ["a", "b"]
+
+
+def test_an_agent_whose_own_keep_alive_lapsed_does_not_declare_itself_lost() -> None:
+    """Seen under heavy load: a standalone agent's keep-alive thread was starved for more
+    than the TTL, and the agent proposed a round without itself (node_lost of its own id),
+    restarting its healthy workers. An agent that steps is alive; only others judge it."""
+    clock, store, a, b = _two_agents(min_nodes=1, max_nodes=2)
+    a.step(None)
+    act = a.step(None)
+    assert isinstance(act, Run) and act.round.member_ids == ["a", "b"]
+    for _ in range(8):  # b keeps beating; a's keep-alive thread is starved
+        clock.advance(0.5)
+        b._beat()
+    act = a.step(1)
+    assert act == Wait("training") and _round(store).number == 1
+    act = b.step(1)  # b, on the other hand, sees a gone
+    assert isinstance(act, Wait) and _round(store).number == 2
+    assert _round(store).member_ids == ["b"]
+
+
+def _round(store: MemoryStore) -> RoundRecord:
+    entry = store.get(Keys("job").round)
+    assert entry is not None
+    return RoundRecord.decode(entry.value)
