@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,9 @@ RESTART_GRACE_S = 2.0
 # Warm spares are started this long after a round's workers, so that they do not compete
 # with the workers' own start-up for CPU.
 SPARE_DELAY_S = 3.0
+# A failure seen only as "peer closed the connection" waits up to this long for the other
+# local workers to end by themselves before the root cause is chosen.
+CAUSE_WAIT_S = 1.0
 # A spare still importing torch will be ready before a process started now: wait this long.
 SPARE_BOOT_WAIT_S = 10.0
 
@@ -127,7 +130,12 @@ class ElasticAgent:
                 self.config.stop_grace_s,
             )
             self.events.emit("preempted", signal=signal.Signals(t.signum).name)
-            self._stop_workers(self.config.stop_grace_s, reason="signal")
+            # Leave the rendezvous as soon as a worker is gone (the ranks agreed on the
+            # stop and saved before any exits): the survivors re-form at once instead of
+            # waiting for the slowest worker's teardown.
+            self._stop_workers(
+                self.config.stop_grace_s, reason="signal", on_first_exit=self.rdzv.leave
+            )
             code = 128 + t.signum
             self._finish(code)
             return code
@@ -411,6 +419,16 @@ class ElasticAgent:
             self._detect_hangs()
         results = self.group.poll()
         failed = [r for r in results if r.returncode != 0]
+        if failed and all(self.group.is_consequence(r) for r in failed):
+            # Only "peer closed the connection" so far: the peer whose error explains it
+            # may still be tearing down (seen under load: a rank that raised took over a
+            # second to exit). Give the others a moment to end by themselves, so that the
+            # root cause names the real error rather than its echo.
+            deadline = self.clock.monotonic() + CAUSE_WAIT_S
+            while not self.group.all_done() and self.clock.monotonic() < deadline:
+                self.clock.sleep(0.05)
+                results = self.group.poll()
+            failed = [r for r in results if r.returncode != 0]
         if failed:
             first = self.group.first_failure(failed)
             cause = self.group.root_cause(first)
@@ -498,7 +516,14 @@ class ElasticAgent:
             signal=r.signal_name,
         )
 
-    def _stop_workers(self, grace_s: float, *, reason: str, productive: bool = True) -> None:
+    def _stop_workers(
+        self,
+        grace_s: float,
+        *,
+        reason: str,
+        productive: bool = True,
+        on_first_exit: Callable[[], None] | None = None,
+    ) -> None:
         if self.live is not None and (self.live.active or self.live.pool is not None):
             self.live.stop(grace_s)
             if productive:
@@ -509,7 +534,7 @@ class ElasticAgent:
         group, self.group = self.group, None
         if not group.all_done():
             log.debug("stopping workers (%s)", reason)
-        group.stop(grace_s)
+        group.stop(grace_s, on_first_exit=on_first_exit)
         if productive:
             self._productive_s += self.clock.monotonic() - self._run_started
         self.running = None

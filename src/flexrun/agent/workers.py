@@ -123,7 +123,9 @@ def spawn_worker(
     return Worker(local_rank, rank, proc, wdir, error_file, files=[out, err])
 
 
-def start_tees(wdir: Path, prefix: str, console_streams: frozenset[str], done: threading.Event) -> list[_Tee]:
+def start_tees(
+    wdir: Path, prefix: str, console_streams: frozenset[str], done: threading.Event
+) -> list[_Tee]:
     """Copy a worker's log files to the console while ``done`` is unset."""
     tees = []
     for stream, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
@@ -273,14 +275,36 @@ class WorkerGroup:
                 except ProcessLookupError:
                     continue
 
-    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
-        """SIGTERM every worker's process group, wait up to ``grace_s``, then SIGKILL; reap all."""
+    def stop(
+        self,
+        grace_s: float,
+        sig: int = signal.SIGTERM,
+        *,
+        on_first_exit: Callable[[], None] | None = None,
+    ) -> None:
+        """SIGTERM every worker's process group, wait up to ``grace_s``, then SIGKILL; reap all.
+
+        ``on_first_exit`` runs once, as soon as any worker has exited (or when the grace
+        ends): a preempted agent deregisters then, because its ranks agreed on the stop
+        (and saved) before the first of them exits, while the last may take the whole
+        grace to go (interpreter teardown)."""
         self.signal_all(sig)
         deadline = time.monotonic() + grace_s
-        for w in self.workers:
+        pending = list(self.workers)
+        while pending:
             remaining = deadline - time.monotonic()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=max(remaining, 0.001))
+            if remaining <= 0:
+                break
+            for w in list(pending):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.proc.wait(timeout=min(max(remaining, 0.001), 0.05))
+                if w.proc.returncode is not None:
+                    pending.remove(w)
+            if on_first_exit is not None and len(pending) < len(self.workers):
+                on_first_exit()
+                on_first_exit = None
+        if on_first_exit is not None:
+            on_first_exit()
         self.signal_all(signal.SIGKILL)
         for w in self.workers:
             w.proc.wait()
@@ -358,8 +382,12 @@ def capture_stacks(w: Worker, timeout_s: float = 10.0) -> str:
     pyspy = shutil.which("py-spy")
     if pyspy is not None:
         try:
-            res = subprocess.run([pyspy, "dump", "--pid", str(w.proc.pid)], capture_output=True,
-                                 text=True, timeout=timeout_s)
+            res = subprocess.run(
+                [pyspy, "dump", "--pid", str(w.proc.pid)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
             if res.returncode == 0 and res.stdout.strip():
                 return res.stdout
         except (OSError, subprocess.TimeoutExpired):
@@ -424,7 +452,16 @@ _CONSEQUENCES = (
 )
 
 
+PREEMPTED_EXIT = 143
+"""128 + SIGTERM: what flexrun.train's workers exit with after an agreed preemption stop."""
+
+
 def _is_consequence(cause: Mapping[str, Any]) -> bool:
+    if cause.get("exit_code") == PREEMPTED_EXIT and not cause.get("signal"):
+        # The worker stopped by itself with the preemption code while its own agent was
+        # not signalled (that agent would not be looking): the ranks agreed to stop
+        # because a peer's node is being preempted. That peer leaves the rendezvous next.
+        return True
     text = f"{cause.get('message', '')}\n{cause.get('traceback', '')[-2000:]}".lower()
     return any(c in text for c in _CONSEQUENCES)
 

@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--live", action="store_true", help="use LiveLoop (flexrun --mode live)")
     p.add_argument("--enospc-flag", default=None)
+    p.add_argument(
+        "--linger-on-preempt",
+        type=float,
+        default=0.0,
+        help="local rank 1 sleeps this long after an agreed preemption stop before it exits "
+        "(a slow interpreter teardown, for tests)",
+    )
     p.add_argument("--frozen-shard", type=int, default=0, help="BROKEN on purpose if > 0")
     return p.parse_args(argv)
 
@@ -187,6 +194,8 @@ def run_restart_mode(args: argparse.Namespace, log: StepLog) -> int:
                         ckpt.save(step, blocking=True)
                     ckpt.close()
                 ft.shutdown()
+                if args.linger_on_preempt and ctx.local_rank == 1:
+                    time.sleep(args.linger_on_preempt)
                 guard.exit(step=step)
             if step >= args.steps or sampler.exhausted:
                 break
