@@ -11,21 +11,24 @@ counted from the first trained step) under:
 * torchrun ``--standalone --nproc-per-node N --max-restarts 1000`` with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
 
-ETTR is computed one way for all three, from the workload's own step logs: the sum over
-committed steps (the last attempt of each step) of that attempt's duration (earliest
-start to latest end over ranks), divided by the wall time from launch (the harness
-starting the store, or torchrun) to exit (every launcher process gone). ETTR(span)
-divides the same productive time by the training span only (the first step's start to
-the last step's end), leaving out start-up and teardown; with it come the start-up and
-teardown seconds and, per kill, the longest pause in committed steps from the last step
-committed before the kill to the next kill (detection + restart + recomputation).
-ETTR(cycle) counts step to step instead: a committed step that follows the previous one
-in the same round counts from the previous step's end, so per-step framework work outside
-the script's step body (live mode's gradient all-reduce and optimizer step run between
-the workload's ``t0`` and ``ts`` of consecutive steps; checkpoint stalls) is productive,
-and only startup, recovery, recomputed work and teardown are lost. Each run
-is bounded by ``--timeout``; a run still going then counts as hung, a non-zero exit as
-died. After each run every invariant of ``flexrun.testing.invariants`` is checked.
+ETTR is computed one way for all three, from the workload's own step logs, as productive
+step time over wall time. Productive step time counts step to step: each committed step
+(the last attempt of each step) counts from the end of the previous committed step when
+that one ran in the same round, and from its own start (earliest rank) when it is the
+first of its round; it ends at its latest rank's end. So everything a training step needs
+is productive, whoever does it (the script's forward/backward, DDP's or live mode's
+gradient all-reduce and optimizer step, a checkpoint's stall), and what is lost is
+start-up, detection and recovery, recomputed steps, and teardown. Wall time runs from
+launch (the harness starting the store, or torchrun) to exit (every launcher process
+gone). Also printed: ETTR(body), the same with each committed step counted only from its
+own start to its end (the script's step body: this leaves out live mode's all-reduce and
+optimizer step, which run between one step body and the next, and the checkpoint stalls of
+all three), and ETTR(span), productive step time over the training span only (first step
+to last step, no start-up or teardown), with the start-up and teardown seconds and, per
+kill, the longest pause in committed steps from the last step committed before the kill to
+the next kill (detection + restart + recomputation). Each run is bounded by ``--timeout``;
+a run still going then counts as hung, a non-zero exit as died. After each run every
+invariant of ``flexrun.testing.invariants`` is checked.
 
     flock -x -w 2400 /tmp/flexrun-heavy.lock timeout 1500 python3 bench/bench_goodput.py
 """
@@ -83,6 +86,7 @@ def main() -> int:
             "ettr": st.get("ettr"),
             "wall_s": st.get("wall_s"),
             "productive_s": round(st.get("productive_s", 0.0), 2),
+            "productive_cycle_s": round(st.get("productive_cycle_s", 0.0), 2),
             "ettr_span": st.get("ettr_span"),
             "ettr_cycle": st.get("ettr_cycle"),
             "startup_s": st.get("startup_s"),
@@ -102,29 +106,30 @@ def main() -> int:
         print(f"  {launcher:9s} done in {time.time() - t0:.0f}s: {json.dumps(row)}", flush=True)
     print()
     print(
-        f"{'launcher':10s} {'ETTR':>6s} {'wall s':>7s} {'prod s':>7s} {'steps':>6s} "
-        f"{'recomp':>6s} {'kills':>5s} {'survived':>8s} {'hung':>5s} {'died':>5s} violations"
+        f"{'launcher':10s} {'ETTR':>6s} {'(body)':>6s} {'wall s':>7s} {'prod s':>7s} "
+        f"{'steps':>6s} {'recomp':>6s} {'kills':>5s} {'survived':>8s} {'hung':>5s} "
+        f"{'died':>5s} violations"
     )
     for r in rows:
         print(
-            f"{r['launcher']:10s} {r['ettr'] or 0:6.3f} {r['wall_s']:7.1f} "
-            f"{r['productive_s']:7.1f} {r['steps_completed']!s:>6s} "
+            f"{r['launcher']:10s} {r['ettr_cycle'] or 0:6.3f} {r['ettr'] or 0:6.3f} "
+            f"{r['wall_s']:7.1f} {r['productive_cycle_s']:7.1f} {r['steps_completed']!s:>6s} "
             f"{r['steps_recomputed']!s:>6s} {r['kills']:5d} {r['survived']!s:>8s} "
             f"{r['hung']!s:>5s} {r['died']!s:>5s} {len(r['violations'])}"
         )
     print()
     print("where the wall time went (s): launch->first step | training span | last step->exit")
     print(
-        f"{'launcher':10s} {'startup':>7s} {'span':>7s} {'teardown':>8s} {'ETTR(span)':>10s} "
-        f"{'ETTR(cycle)':>11s}"
+        f"{'launcher':10s} {'startup':>7s} {'span':>7s} {'teardown':>8s} {'ETTR(span)':>10s}"
         "  per kill: longest pause in committed steps (s)"
     )
     for r in rows:
         ttp = r["stall_s"] or []
         mean = sum(ttp) / len(ttp) if ttp else float("nan")
+        span = r["span_s"] or 0
         print(
-            f"{r['launcher']:10s} {r['startup_s'] or 0:7.1f} {r['span_s'] or 0:7.1f} "
-            f"{r['teardown_s'] or 0:8.1f} {r['ettr_span'] or 0:10.3f} {r['ettr_cycle'] or 0:11.3f}"
+            f"{r['launcher']:10s} {r['startup_s'] or 0:7.1f} {span:7.1f} "
+            f"{r['teardown_s'] or 0:8.1f} {r['productive_cycle_s'] / span if span else 0:10.3f}"
             f"  mean {mean:.2f}: {ttp}"
         )
     for r in rows:
