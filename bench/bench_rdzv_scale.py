@@ -319,6 +319,7 @@ def child_main(
                         res["ok"] = True
                         res["round"] = action.round.number
                         res["members"] = len(action.round.members)
+                        res["reason"] = action.round.reason
                         res["rank"] = action.round.group_rank(node_id)
                         break
                     if isinstance(action, (Exit, Stop)):
@@ -484,7 +485,7 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
                     c.join(timeout=10)
     ok = [r for r in results if r["ok"]]
     errors = sorted({r["err"] for r in results if r["err"]})
-    rounds = sorted({(r.get("round"), r.get("members")) for r in ok})
+    rounds = sorted({(r.get("round"), r.get("members"), r.get("reason")) for r in ok})
     ranks = sorted(r["rank"] for r in ok)
 
     def stat(values: list[float]) -> tuple[float, float]:
@@ -640,7 +641,7 @@ def main() -> int:
                 flush=True,
             )
             print(
-                f"   rounds seen {row['rounds']}, ranks 0..N-1 each once: {row['ranks_ok']}",
+                f"   rounds seen (number, members, reason) {row['rounds']}, ranks 0..N-1 each once: {row['ranks_ok']}",
                 flush=True,
             )
             print(
