@@ -16,7 +16,12 @@ wrapped in a counting proxy. Reported per (backend, N):
   per node (values the backend actually sent: a repeated ``get_prefix`` fetches only
   the keys written since the previous one);
 * keep-alive traffic (the heartbeat thread) separately, per node;
-* growth factors between successive N.
+* StoreUnavailable retries: an agent that gets one backs off and retries exactly as
+  ``Agent._on_outage`` does (0.1 s doubling to 2 s, reset after a good pass), bounded by
+  ``--round-timeout``; how many, by how many agents, and in which protocol op;
+* CPU seconds of the store process and of the agent processes during the timed phase
+  (which of the two a saturated machine spent its cores on);
+* growth factors and exponents between successive N.
 
 The tcp store server runs in its own process (``TcpStoreServer``), etcd as a real
 single-member server (``flexrun.testing.etcd_server.EtcdCluster``) with its data in a
