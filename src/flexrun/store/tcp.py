@@ -329,8 +329,8 @@ class TcpStore:
         names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in range(since + 1, at + 1)]
         if not self._call(c.check, names):
             return None  # a restarted server, a revision abandoned by a dead writer
-        got = self._call(c.multi_get, names)
-        if bytes(got[0]) != epoch:
+        got = self._fetch_events(since + 1, names)
+        if got is None or bytes(got[0]) != epoch:
             return None  # a restarted server that has been written to since
         logged = {bytes(k).decode() for k in got[1:]}
         changed = sorted(
@@ -342,6 +342,16 @@ class TcpStore:
         for key, raw in zip(changed, self._call(c.multi_get, changed), strict=True):
             out[key] = bytes(raw)
         return out
+
+    def _fetch_events(self, oldest: int, names: list[str]) -> list[Any] | None:
+        """``multi_get`` of keys just checked to exist, event keys from revision ``oldest``
+        on; None if writers may prune the oldest meanwhile (``TCPStore.get`` of a missing
+        key blocks until the op timeout: seen with 1024 agents, whose burst of writes pushed
+        the event window past a reader between its check and its read)."""
+        c = self._c()
+        if int(self._call(c.add, _REV_KEY, 0)) - oldest >= EVENT_WINDOW // 2:
+            return None
+        return list(self._call(c.multi_get, names))
 
     def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
         rev = self._next_rev()
@@ -456,7 +466,10 @@ class TcpStore:
                 if not self._call(c.check, names):
                     # An abandoned revision in the range: read the logged ones one by one.
                     names = [n for n in names if self._call(c.check, [n])]
-                keys = [bytes(v).decode() for v in self._call(c.multi_get, names)] if names else []
+                got = self._fetch_events(seen + 1, names) if names else []
+                if got is None:
+                    return True, self.revision()  # the log moved on under us: report a change
+                keys = [bytes(v).decode() for v in got]
                 if any(k and k.startswith(prefix) for k in keys):
                     return True, self.revision()
                 seen = complete

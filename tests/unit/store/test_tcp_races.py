@@ -133,3 +133,34 @@ def test_a_restarted_server_does_not_resurrect_keys_from_a_cached_read() -> None
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.timeout(120)
+def test_event_reads_give_up_when_writers_may_prune_the_oldest_under_them() -> None:
+    """Seen with 1024 agents: between a reader's check that event keys exist and its
+    multi_get, a burst of writes pruned the oldest (EVENT_WINDOW behind), and TCPStore's
+    get of the missing key blocked the reader for the op timeout. The read now declines
+    (the caller falls back to a full read / reports a change) once the log has moved half
+    a window past the oldest key it wants."""
+    from flexrun.store.tcp import _EV_PREFIX, EVENT_WINDOW
+
+    server = TcpStoreServer("127.0.0.1", 0)
+    writer = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    reader = TcpStore("127.0.0.1", server.port, connect_timeout_s=5, op_timeout_s=5)
+    try:
+        first = writer.put("other/k", b"0")
+        names = [f"{_EV_PREFIX}{first}"]
+        got = reader._fetch_events(first, names)
+        assert got is not None and bytes(got[0]) == b"other/k"
+        for i in range(EVENT_WINDOW // 2):
+            writer.put("other/k", str(i).encode())
+        assert reader._fetch_events(first, names) is None
+        # The public reads stay correct: a change under the prefix is reported.
+        since = reader.revision()
+        writer.put("s/x", b"1")
+        assert reader.wait_for_change("s/", since, timeout_s=5.0)[0]
+        assert reader.get_prefix("s/")["s/x"].value == b"1"
+    finally:
+        reader.close()
+        writer.close()
+        server.close()
