@@ -218,3 +218,39 @@ class HtmlTables(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self._cell is not None:
             self._cell.append(data)
+
+
+HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
+"""Fast keep-alives and short windows for multi-agent tests (``--rdzv-conf``)."""
+
+
+def node_args(
+    endpoint: str,
+    name: str,
+    run_dir: Path,
+    *,
+    nproc: int,
+    nnodes: str = "1:2",
+    backend: str = "c10d",
+    conf: str = HB,
+) -> list[str]:
+    """``flexrun run`` arguments of one agent as one node of job ``job`` (no script yet)."""
+    return [
+        "run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "job",
+        "--rdzv-conf",
+        conf,
+        "--node-id",
+        name,
+        "--run-dir",
+        str(run_dir),
+    ]

@@ -14,6 +14,7 @@ from support import (
     Procs,
     alive_pids,
     descendants,
+    node_args,
     read_events,
     read_progress,
     wait_for,
@@ -21,8 +22,6 @@ from support import (
 )
 
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
-
-HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
 
 
 def _require_etcd() -> None:
@@ -57,27 +56,12 @@ def etcd3(procs: Procs) -> Iterator[EtcdCluster]:
 def _agent(procs: Procs, cluster: EtcdCluster, name: str, progress: Path, first: int = 0):  # type: ignore[no-untyped-def]
     # Agents talk to the first endpoint that answers; ``first`` chooses which member that is.
     eps = cluster.endpoints[first:] + cluster.endpoints[:first]
+    endpoint = ",".join(f"{h}:{p}" for h, p in eps)
     return procs.start(
         [
-            "run",
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "etcd-v3",
-            "--rdzv-endpoint",
-            ",".join(f"{h}:{p}" for h, p in eps),
-            "--rdzv-id",
-            "job",
-            "--rdzv-conf",
-            HB,
+            *node_args(endpoint, name, procs.tmp / f"run-{name}", nproc=1, backend="etcd-v3"),
             "--max-restarts",
             "0",
-            "--node-id",
-            name,
-            "--run-dir",
-            str(procs.tmp / f"run-{name}"),
             str(DDP_STEPS),
             "--steps",
             "100000",

@@ -13,6 +13,7 @@ from support import (
     alive_pids,
     descendants,
     free_port,
+    node_args,
     read_events,
     read_progress,
     scrape_metrics,
@@ -20,32 +21,14 @@ from support import (
     worlds_after,
 )
 
-HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
-
 
 def _agent(procs: Procs, store: tuple[str, int], name: str, progress, *extra: str):  # type: ignore[no-untyped-def]
     host, port = store
     return procs.start(
         [
-            "run",
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{host}:{port}",
-            "--rdzv-id",
-            "job",
-            "--rdzv-conf",
-            HB,
+            *node_args(f"{host}:{port}", name, procs.tmp / f"run-{name}", nproc=2),
             "--max-restarts",
             "0",
-            "--node-id",
-            name,
-            "--run-dir",
-            str(procs.tmp / f"run-{name}"),
             *extra,
             str(DDP_STEPS),
             "--steps",

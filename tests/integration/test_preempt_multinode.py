@@ -13,11 +13,10 @@ import signal
 import sys
 
 import pytest
-from support import Procs, read_events, wait_for
+from support import Procs, node_args, read_events, wait_for
 
 from flexrun.testing import chaos_workload
 
-HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
 LINGER_S = 6.0
 
 
@@ -36,29 +35,13 @@ def _agent(procs: Procs, store: tuple[str, int], name: str, nproc: int):  # type
     host, port = store
     return procs.start(
         [
-            "run",
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{host}:{port}",
-            "--rdzv-id",
-            "job",
-            "--rdzv-conf",
-            HB,
+            *node_args(f"{host}:{port}", name, procs.tmp / f"run-{name}", nproc=nproc),
             "--max-restarts",
             "0",  # a survivor counting the agreed stop as a failure would end the job
             "--mode",
             "restart",
             "--stop-grace",
             str(LINGER_S + 10),
-            "--node-id",
-            name,
-            "--run-dir",
-            str(procs.tmp / f"run-{name}"),
             chaos_workload.__file__,
             "--steps",
             "100000",

@@ -19,6 +19,7 @@ from support import (
     DDP_STEPS,
     HtmlTables,
     Procs,
+    node_args,
     read_events,
     read_progress,
     scrape_metrics,
@@ -28,7 +29,6 @@ from support import (
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics
 from flexrun.observe.report import LOST_PNG, REPORT_FILE, TIMELINE_PNG, analyze, load_events
 
-HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
 TRAIN = Path(__file__).parent / "scripts" / "train_events.py"
 
 
@@ -49,25 +49,9 @@ def _agent(
     host, port = store
     return procs.start(
         [
-            "run",
-            "--nnodes",
-            "1:2",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{host}:{port}",
-            "--rdzv-id",
-            "job",
-            "--rdzv-conf",
-            HB,
+            *node_args(f"{host}:{port}", name, procs.tmp / "runs" / name, nproc=2),
             "--stop-grace",
             "5",
-            "--node-id",
-            name,
-            "--run-dir",
-            str(procs.tmp / "runs" / name),
             *extra,
             str(script),
             *script_args,
