@@ -69,6 +69,7 @@ class ElasticAgent:
         clock: Clock = SYSTEM_CLOCK,
         store_addr: tuple[str, int] | None = None,
         pool: WarmPool | None = None,
+        live_spares: WarmPool | None = None,
     ) -> None:
         self.config = config
         self.events = events
@@ -112,6 +113,7 @@ class ElasticAgent:
                 events=events,
                 warm_spares=config.warm_spares,
                 clock=clock,
+                pool=live_spares,
             )
 
     # -- entry point ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from flexrun.agent.agent import ElasticAgent, restart_pool
+from flexrun.agent.pool import live_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import StoreUnavailable
 from flexrun.observe.events import EventLog
@@ -52,7 +53,12 @@ def launch(config: RunConfig) -> int:
     config.run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
     pool = restart_pool(config)
-    if pool is not None and config.store.endpoints:
+    live_spares = live_pool(config)
+    if live_spares is not None:
+        # Live mode: this node's first workers boot now, before the agent imports torch
+        # for its store client, and become the workers once the node is admitted.
+        live_spares.fill(count=config.nproc_per_node)
+    elif pool is not None and config.store.endpoints:
         # A node of a multi-node job (likely joining a running one): start its warm
         # interpreters now, so that they import torch while this agent connects and meets
         # the others, and its first workers start warm.
@@ -60,8 +66,9 @@ def launch(config: RunConfig) -> int:
     try:
         store, server = open_store(config.store)
     except BaseException:
-        if pool is not None:
-            pool.close()
+        for p in (pool, live_spares):
+            if p is not None:
+                p.close()
         raise
     metrics = follower = None
     sampler = None
@@ -82,11 +89,14 @@ def launch(config: RunConfig) -> int:
             )
             sampler.start()
         addr = (store.host, store.port) if isinstance(store, TcpStore) else None
-        agent = ElasticAgent(config, store, events=events, store_addr=addr, pool=pool)
+        agent = ElasticAgent(
+            config, store, events=events, store_addr=addr, pool=pool, live_spares=live_spares
+        )
         return agent.run()
     finally:
-        if pool is not None:
-            pool.close()
+        for p in (pool, live_spares):
+            if p is not None:
+                p.close()
         if sampler is not None:
             sampler.close()
         if follower is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.agent.pool import WarmPool, assign
+from flexrun.agent.pool import WarmPool, assign, live_pool
 from flexrun.agent.spec import worker_envs
 from flexrun.agent.workers import (
     Worker,
@@ -77,6 +77,7 @@ class LiveSupervisor:
         events: EventLog,
         warm_spares: int,
         clock: Clock = SYSTEM_CLOCK,
+        pool: WarmPool | None = None,
     ) -> None:
         self.config = config
         self.rdzv = rdzv
@@ -98,14 +99,11 @@ class LiveSupervisor:
         self._counted_epoch = -1
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / self.node
-        self.pool: WarmPool | None = None
-        if not config.no_python:
-            env = dict(config.environ)
-            if config.nproc_per_node > 1:
-                env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
-            self.pool = WarmPool(warm_spares, env, self._log_root / "spares")
-            # This node's own first workers start booting now (Python, torch) while the
-            # agent meets the others: a joining node trains that much sooner.
+        # This node's own first workers boot (Python, torch) while the agent meets the
+        # others: a joining node trains that much sooner. The launcher starts them before
+        # it connects to the store (``pool``); built here otherwise.
+        self.pool: WarmPool | None = pool if pool is not None else live_pool(config)
+        if self.pool is not None:
             self.pool.fill(count=config.nproc_per_node)
 
     @property

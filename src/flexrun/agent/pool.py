@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flexrun.agent.workers import Worker, spawn_worker
+from flexrun.config import RunConfig
 
 
 class WarmPool:
@@ -132,3 +133,16 @@ def _reap(w: Worker) -> None:
     for f in w.files:
         f.close()
     w.files.clear()
+
+
+def live_pool(config: RunConfig) -> WarmPool | None:
+    """The warm pool of a live-mode agent (None for ``--no-python``). The launcher builds
+    it and fills it with the node's first workers before it even connects to the store,
+    so their Python and torch import overlaps the agent's own start-up."""
+    if config.mode != "live" or config.no_python:
+        return None
+    env = dict(config.environ)
+    if config.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
+    log_root = (config.log_dir or config.run_dir / "logs") / "live"
+    return WarmPool(config.warm_spares, env, log_root / "spares")
