@@ -144,5 +144,9 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     env = dict(config.environ)
     if config.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
+    # As LiveSupervisor sets for its workers, but it must be there before the spare imports
+    # torch: c10d reads it once. Live workers' bounded store waits expire routinely, and
+    # each warning c10d logs for one can stall seconds on a reverse DNS lookup.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     log_root = (config.log_dir or config.run_dir / "logs") / "live"
     return WarmPool(config.warm_spares, env, log_root / "spares")
