@@ -63,16 +63,12 @@ def launch(config: RunConfig) -> int:
         # interpreters now, so that they import torch while this agent connects and meets
         # the others, and its first workers start warm.
         pool.fill()
-    try:
-        store, server = open_store(config.store)
-    except BaseException:
-        for p in (pool, live_spares):
-            if p is not None:
-                p.close()
-        raise
     metrics = follower = None
     sampler = None
+    store: Store | None = None
+    server: object | None = None
     try:
+        store, server = open_store(config.store)
         if config.metrics_port is not None:
             from flexrun.observe.metrics import serve_run_metrics
 
@@ -103,5 +99,6 @@ def launch(config: RunConfig) -> int:
             follower.close()
         if metrics is not None:
             metrics.close()
-        store.close()
+        if store is not None:
+            store.close()
         del server

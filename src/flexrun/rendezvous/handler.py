@@ -87,7 +87,6 @@ class RendezvousHandler:
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
-        self._left = False
 
     # -- membership --------------------------------------------------------------------
     def join(self) -> None:
@@ -123,9 +122,8 @@ class RendezvousHandler:
     def leave(self) -> None:
         """Stop the keep-alive and remove this node so the others re-form at once.
         Idempotent: a preempted agent leaves early, and again on its way out."""
-        if self._left:
+        if self._stop.is_set():
             return
-        self._left = True
         self._stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
@@ -312,7 +310,7 @@ class RendezvousHandler:
         while True:
             rnd, alive, _ = self._read()
             if rnd is None:
-                return self._round_lost("a failure")
+                return self._round_lost()
             if rnd.number != failed_round or rnd.state != "running":
                 # Someone already moved on (another failure or a membership change).
                 return rnd
@@ -332,11 +330,11 @@ class RendezvousHandler:
                 self._floor = max(self._floor, rec.number)
                 return rec
 
-    def _round_lost(self, what: str) -> RoundRecord:
-        """The store lost the round record (it restarted) while this agent reported
-        ``what``: nothing to count against; the next :meth:`step` forms a round above every
-        one seen once the nodes have re-registered. Returns the round as last known."""
-        log.warning("the store lost the round (restarted?) while reporting %s: not counted", what)
+    def _round_lost(self) -> RoundRecord:
+        """The store lost the round record (it restarted) while this agent reported a
+        failure: nothing to count it against; the next :meth:`step` forms a round above
+        every one seen once the nodes have re-registered. Returns the round as last known."""
+        log.warning("the store lost the round (restarted?) while reporting a failure: not counted")
         self._settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
         known = self._known_round
         return known if known is not None else RoundRecord(self._floor, PENDING, (), 0, "lost")
@@ -347,7 +345,7 @@ class RendezvousHandler:
         while True:
             rnd, _, _ = self._read()
             if rnd is None:
-                return self._round_lost("a failure")
+                return self._round_lost()
             if rnd.state != RUNNING:
                 return rnd
             restarts = rnd.restarts + 1
