@@ -42,7 +42,10 @@ log = logging.getLogger("flexrun.agent")
 # not reach a clean exit, so do not wait long before SIGKILL.
 RESTART_GRACE_S = 2.0
 # Warm spares are started this long after a round's workers, so that they do not compete
-# with the workers' own start-up for CPU.
+# with the workers' own start-up (interpreter and torch import) for CPU. Workers that came
+# from spares have no such start-up: the pool is refilled at once after them (otherwise a
+# round that fails within the delay, as under a stream of faults, waits a whole spare boot
+# for its replacement; ~1.8 s on this machine, seen in the long chaos run).
 SPARE_DELAY_S = 3.0
 # A failure seen only as "peer closed the connection" waits up to this long for the other
 # local workers to end by themselves before the root cause is chosen.
@@ -89,6 +92,7 @@ class ElasticAgent:
         self._started = clock.monotonic()
         self._productive_s = 0.0
         self._run_started = 0.0
+        self._cold_workers = 0  # workers of the current round not taken from the warm pool
         self._outage_since: float | None = None
         self._outage_tries = 0
         self._pending_failure: tuple[int, dict[str, Any], bool] | None = None
@@ -215,7 +219,11 @@ class ElasticAgent:
         if (
             self.pool is not None
             and self._runs
-            and (self.group is None or self.clock.monotonic() - self._run_started >= SPARE_DELAY_S)
+            and (
+                self.group is None
+                or self._cold_workers == 0
+                or self.clock.monotonic() - self._run_started >= SPARE_DELAY_S
+            )
         ):
             self.pool.fill()
         action = self.rdzv.step(self.running)
@@ -311,6 +319,7 @@ class ElasticAgent:
         )
         log_root = self.config.log_dir or (self.config.run_dir / "logs")
         log_dir = log_root / f"round_{rnd.number}"
+        self._cold_workers = 0
         if self.config.hang_timeout_s > 0:
             for env in envs:
                 wdir = log_dir / f"rank_{env['RANK']}"
@@ -402,6 +411,7 @@ class ElasticAgent:
         assert self.pool is not None
         w = self.pool.take(wait_s=SPARE_BOOT_WAIT_S)
         if w is None:
+            self._cold_workers += 1
             return None
         c = self.config
         return assign(

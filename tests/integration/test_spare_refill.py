@@ -1,0 +1,93 @@
+"""Restart mode's warm pool is refilled as soon as a round's workers came from spares.
+
+The long chaos run (bench/results/chaos.txt) spent ~1.8 s of many restarts waiting for a
+spare to boot: a round whose workers were warm spares did not start the next spare until
+SPARE_DELAY_S after its start, and rounds killed by the next fault lived less than that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+from support import (
+    DDP_STEPS,
+    Procs,
+    alive_pids,
+    descendants,
+    read_events,
+    read_progress,
+    wait_for,
+)
+
+
+def _started(run_dir: object, rnd: int) -> int | None:
+    for e in read_events(run_dir):  # type: ignore[arg-type]
+        if e["event"] == "worker_started" and e["round"] == rnd:
+            return int(e["pid"])
+    return None
+
+
+def _trained(progress: object, pid: int) -> bool:
+    return any(r["pid"] == pid for r in read_progress(progress))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_soon_after_a_warm_restart_finds_its_replacement_spare_started_before(
+    procs: Procs,
+) -> None:
+    run_dir = procs.tmp / "run"
+    progress = procs.tmp / "progress.jsonl"
+    agent = procs.start(
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--warm-spares",
+            "1",
+            "--max-restarts",
+            "5",
+            "--monitor-interval",
+            "0.1",
+            "--run-dir",
+            str(run_dir),
+            str(DDP_STEPS),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+            "--progress",
+            str(progress),
+        ],
+        name="agent",
+    )
+    spares = run_dir / "logs" / "spares"
+    pids = []
+    # Round 1 starts cold; once its spare is ready, kill the worker: round 2 is warm.
+    first = wait_for(lambda: _started(run_dir, 1), 60, "round 1's worker")
+    wait_for(lambda: any(spares.glob("*.ready")), 60, "a ready spare")
+    pids.append(first)
+    os.kill(first, signal.SIGKILL)  # type: ignore[arg-type]
+    second = wait_for(lambda: _started(run_dir, 2), 30, "round 2's worker")
+    pids.append(second)
+    # Kill round 2's worker at its first step: well inside the old 3 s delay.
+    wait_for(lambda: _trained(progress, second), 30, "round 2's first step")  # type: ignore[arg-type]
+    before = {
+        p.pid for p in descendants(agent.pid) if "flexrun.train.spare" in " ".join(p.cmdline())
+    }
+    os.kill(second, signal.SIGKILL)  # type: ignore[arg-type]
+    third = wait_for(lambda: _started(run_dir, 3), 30, "round 3's worker")
+    pids.append(third)
+    wait_for(lambda: _trained(progress, third), 30, "round 3's first step")  # type: ignore[arg-type]
+    cmd = " ".join(psutil.Process(third).cmdline())  # type: ignore[arg-type]
+    assert "flexrun.train.spare" in cmd, f"round 3 did not use a spare: {cmd}"
+    assert third in before, (
+        "round 3's spare was started only after round 2's worker died: the pool was not "
+        f"refilled when round 2 started from a spare (spares before the kill: {sorted(before)})"
+    )
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 143, procs.stderr("agent")[-3000:]
+    assert alive_pids(pids) == []  # type: ignore[arg-type]
