@@ -503,7 +503,8 @@ def scaleup_trial(
     run_id = f"bench{trial}x{max_nodes}"
     deadline = time.monotonic() + a.scale_timeout
     prog = {n: d / f"progress-{n}.jsonl" for n in ("a", "b")}
-    flex = kind in ("flexrun", "live")
+    flex = kind in ("flexrun", "live", "live-node")
+    live = kind.startswith("live")
     env = {} if flex else SHARE_OFF
     # --pin-nodes: node a (and the store, which torchrun's c10d backend hosts in node a's
     # agent) on CPU 0, node b on CPU 1, so the joiner does not share a core with node a.
@@ -555,11 +556,16 @@ def scaleup_trial(
                     FLEXRUN
                     + common
                     + ["--node-id", f"node-{node}", "--run-dir", str(d / f"run-{node}")]
-                    + (["--mode", "live"] if kind == "live" else [])
+                    + (["--mode", "live"] if live else [])
+                    + (
+                        ["--spares-dir", str(d / "spares-b")]
+                        if kind == "live-node" and node == "b"
+                        else []
+                    )
                 )
             else:
                 pre = TORCHRUN + common
-            return pre + workload_args(d, prog[node], a.step_time, live=kind == "live")
+            return pre + workload_args(d, prog[node], a.step_time, live=live)
 
         first_agent = procs.start("agent-a", agent_cmd("a"), env, cpus=pin["a"])
         if not poll(
@@ -573,6 +579,22 @@ def scaleup_trial(
                 False, note="first node never trained", detail=tail(procs.logs["agent-a"])
             )
         a_pids = {r["pid"] for r in read_progress(prog["a"])}
+        if kind == "live-node":
+            # Node b was up before its agent: its `flexrun spares` has one interpreter warm.
+            spares = d / "spares-b"
+            procs.start(
+                "spares-b",
+                [*FLEXRUN[:-1], "spares", "--dir", str(spares), "--count", "1"],
+                cpus=pin["b"],
+            )
+            if not poll(
+                lambda: list((spares / "spares").glob("*.ready")), deadline, procs, interval=0.05
+            ):
+                return Outcome(
+                    False,
+                    note="node b's spare never got ready",
+                    detail=tail(procs.logs["spares-b"]),
+                )
         t0 = time.time()
         joiner = procs.start("agent-b", agent_cmd("b"), env, cpus=pin["b"])
         spawned: list[float] = []
@@ -614,14 +636,14 @@ def scaleup_trial(
         note = f"{spawn}first step {first['step']} at world {first['world']}"
         if a.pin_nodes:
             note += f", worker cpus {' '.join(sorted(affinity)) or '?'}"
-        if kind == "live":
+        if live:
             later = {r["pid"] for r in read_progress(prog["a"]) if r["ts"] > t0 and r["world"] == 2}
             if later and not later <= a_pids:
                 note += "; FIRST NODE'S WORKER RESTARTED"
                 both = False
             else:
                 note += ", first node's worker kept its pid"
-        if kind == "live":
+        if live:
             note += "\n      breakdown: " + live_join_breakdown(d, t0, first["ts"])
         if not both or first["world"] != 2:
             return Outcome(
@@ -753,8 +775,9 @@ def main() -> int:
     ap.add_argument("--skip-scaleup", action="store_true")
     ap.add_argument(
         "--scale-kinds",
-        default="flexrun,live,torchrun",
-        help="scale-up launchers to run, of flexrun (restart), live, torchrun (default all)",
+        default="flexrun,live,live-node,torchrun",
+        help="scale-up launchers to run, of flexrun (restart), live, live-node (live with the "
+        "joining node's `flexrun spares` started before its agent), torchrun (default all)",
     )
     ap.add_argument(
         "--scale-nnodes",
@@ -948,6 +971,7 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
     names = {
         "flexrun": "flexrun restart",
         "live": "flexrun live",
+        "live-node": "flexrun live, node's spares warm",
         "torchrun": "torchrun (SHARE_RDZV_TCP_STORE off)",
     }
     wanted = set(a.scale_kinds.split(","))
@@ -959,7 +983,10 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         )
     plan = {
         n: [k for k in kinds if k in wanted]
-        for n, kinds in {2: ["flexrun", "live", "torchrun"], 3: ["flexrun", "torchrun"]}.items()
+        for n, kinds in {
+            2: ["flexrun", "live", "live-node", "torchrun"],
+            3: ["flexrun", "torchrun"],
+        }.items()
         if n in maxes
     }
     plan = {n: kinds for n, kinds in plan.items() if kinds}
@@ -979,8 +1006,8 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         hdr,
         "-" * len(hdr),
     ]
-    worst = {"flexrun": 0.0, "live": 0.0}
-    allok = {"flexrun": True, "live": True}
+    worst = {"flexrun": 0.0, "live": 0.0, "live-node": 0.0}
+    allok = {"flexrun": True, "live": True, "live-node": True}
     for max_nodes, kinds in plan.items():
         for kind in kinds:
             outs = res[(max_nodes, kind)]
@@ -990,7 +1017,11 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
                 allok[kind] &= all(o.ok for o in outs)
                 worst[kind] = max([worst[kind], *[o.seconds or 0.0 for o in outs if o.ok]])
     rc = 0
-    for kind, limit, scope in (("flexrun", 5.0, "for every MAX"), ("live", 2.0, "(1:2)")):
+    for kind, limit, scope in (
+        ("flexrun", 5.0, "for every MAX"),
+        ("live", 2.0, "(1:2)"),
+        ("live-node", 2.0, "(1:2)"),
+    ):
         if kind not in wanted:
             continue
         ok = allok[kind] and worst[kind] <= limit

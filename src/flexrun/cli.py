@@ -117,8 +117,14 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
         "recovery mode: live (survivors never restart; scripts using "
         "flexrun.train.LiveLoop), restart (torchrun semantics), auto (live if the script uses LiveLoop)",
     )
-    _opt(p, env, "hang-timeout", "0", "seconds without step progress (flexrun.train.report_progress) "
-         "before a rank's stacks are captured and it is failed; 0: off")
+    _opt(
+        p,
+        env,
+        "hang-timeout",
+        "0",
+        "seconds without step progress (flexrun.train.report_progress) "
+        "before a rank's stacks are captured and it is failed; 0: off",
+    )
     _opt(p, env, "metrics-port", None, "serve Prometheus metrics on this port (default: off)")
     _opt(
         p,
@@ -133,7 +139,15 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
         "warm-spares",
         None,
         "idle interpreters with torch imported, kept to replace workers: live mode "
-         "default 1, restart mode default nproc-per-node (a restart then skips the cold start); 0: none",
+        "default 1, restart mode default nproc-per-node (a restart then skips the cold start); 0: none",
+    )
+    _opt(
+        p,
+        env,
+        "spares-dir",
+        None,
+        "directory of this node's `flexrun spares`: take warm interpreters from it first "
+        "(default: off)",
     )
     _flag(p, env, "module", "run the entrypoint as a Python module (python -m)", short="-m")
     _flag(p, env, "no-python", "run the entrypoint as an executable, not with python")
@@ -176,6 +190,48 @@ def _cmd_store(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_spares(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
+    p = sub.add_parser(
+        "spares",
+        help="keep warm interpreters (torch imported) on this node for the agents started here",
+        description="Start with the node (or as a pod's sidecar); `flexrun run --spares-dir DIR` "
+        "then takes its first workers from here instead of starting cold.",
+    )
+    p.add_argument("--dir", required=True, help="directory for the socket, spares and exit records")
+    p.add_argument("--count", type=int, default=1, help="idle spares to keep (default 1)")
+    p.add_argument(
+        "--refill-delay",
+        type=float,
+        default=5.0,
+        help="seconds after a hand-over before new spares start importing (default 5)",
+    )
+    p.add_argument("--status", action="store_true", help="print the daemon's counts and exit")
+    p.set_defaults(func=_cmd_spares)
+
+
+def _cmd_spares(ns: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from flexrun.agent.nodepool import SparesDaemon, query_status
+
+    root = Path(ns.dir).absolute()
+    if ns.status:
+        print(json.dumps(query_status(root)))
+        return 0
+    daemon = SparesDaemon(root, ns.count, environ=ns.environ, refill_delay_s=ns.refill_delay)
+    print(f"flexrun spares: keeping {ns.count} warm in {root} (pid {os.getpid()})", flush=True)
+    stop = {"sig": 0}
+
+    def handler(signum: int, frame: object) -> None:
+        stop["sig"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    daemon.serve(lambda: bool(stop["sig"]))
+    return 0
+
+
 # Subcommands contributed by other layers: each module exposes add_parser(subparsers).
 _EXTRA_COMMANDS: tuple[str, ...] = (
     "flexrun.k8s.commands",
@@ -192,6 +248,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run(sub, env)
     _add_store(sub, env)
+    _add_spares(sub, env)
     import importlib
 
     for name in _EXTRA_COMMANDS:

@@ -217,6 +217,8 @@ class RunConfig:
     """``restart`` (torchrun semantics) or ``live`` (survivors never restart)."""
     warm_spares: int = 0
     """Live mode: idle worker processes kept ready (torch imported) to replace a dead one."""
+    spares_dir: Path | None = None
+    """The node's ``flexrun spares`` directory: spares are taken from it first (None: off)."""
     hang_timeout_s: float = 0.0
     """A rank that reported progress (flexrun.train.report_progress) and then none for this
     long is hung: its stacks are captured and it is treated as failed. 0: off."""
@@ -233,7 +235,9 @@ class RunConfig:
         if self.mode not in ("restart", "live"):
             raise ConfigError(f"--mode {self.mode!r}: choose live, restart or auto")
         if self.hang_timeout_s < 0:
-            raise ConfigError(f"--hang-timeout {self.hang_timeout_s:g}: must be 0 (off) or positive")
+            raise ConfigError(
+                f"--hang-timeout {self.hang_timeout_s:g}: must be 0 (off) or positive"
+            )
         if self.warm_spares < 0:
             raise ConfigError(f"--warm-spares {self.warm_spares}: must be 0 or more")
         if self.mode == "live" and self.store.backend in BACKENDS_ETCD:
@@ -370,7 +374,9 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     )
     spares_raw = a["warm_spares"]
     try:
-        spares = int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else nproc)
+        spares = (
+            int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else nproc)
+        )
     except ValueError:
         raise ConfigError(f"--warm-spares {spares_raw!r}: expected an integer") from None
     console = frozenset({"stdout", "stderr"}) - _streams(a["redirects"], "--redirects")
@@ -394,6 +400,7 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         environ=dict(environ),
         mode=mode,
         warm_spares=spares,
+        spares_dir=Path(a["spares_dir"]).absolute() if a["spares_dir"] else None,
         metrics_port=_port_or_none(a["metrics_port"], "--metrics-port"),
         hang_timeout_s=float(a["hang_timeout"]),
         resource_interval_s=float(a["resource_interval"]),

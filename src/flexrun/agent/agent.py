@@ -557,7 +557,7 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
     if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
         return None
     log_root = config.log_dir or (config.run_dir / "logs")
-    return WarmPool(config.warm_spares, config.environ, log_root / "spares")
+    return WarmPool(config.warm_spares, config.environ, log_root / "spares", node=config.spares_dir)
 
 
 def _in_collective(stack: str) -> bool:

@@ -58,10 +58,11 @@ def launch(config: RunConfig) -> int:
         # Live mode: this node's first workers boot now, before the agent imports torch
         # for its store client, and become the workers once the node is admitted.
         live_spares.fill(count=config.nproc_per_node)
-    elif pool is not None and config.store.endpoints:
+    elif pool is not None and (config.store.endpoints or config.spares_dir is not None):
         # A node of a multi-node job (likely joining a running one): start its warm
         # interpreters now, so that they import torch while this agent connects and meets
-        # the others, and its first workers start warm.
+        # the others, and its first workers start warm (or take them warm from the node's
+        # `flexrun spares`).
         pool.fill()
     metrics = follower = None
     sampler = None

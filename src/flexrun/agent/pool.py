@@ -5,12 +5,17 @@ restart in restart mode, or a replacement in live mode, takes a ready spare inst
 paying the interpreter and ``import torch`` again (seconds on a busy node, most of a
 restart). A spare becomes a worker when it is sent its environment, entry point and log
 paths on stdin; it then runs the script exactly as a fresh process would.
+
+With a node directory (``--spares-dir``), spares are first taken from the node's
+``flexrun spares`` daemon (already warm before this agent started, see
+:mod:`flexrun.agent.nodepool`); only the rest are started here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,17 +24,24 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from flexrun.agent.nodepool import AdoptedProcess, exit_record, take_spares
 from flexrun.agent.workers import Worker, spawn_worker
 from flexrun.config import RunConfig
+
+log = logging.getLogger("flexrun.agent")
 
 
 class WarmPool:
     """Up to ``size`` spares for one node."""
 
-    def __init__(self, size: int, environ: Mapping[str, str], root: Path) -> None:
+    def __init__(
+        self, size: int, environ: Mapping[str, str], root: Path, node: Path | None = None
+    ) -> None:
         self.size = size
         self.environ = dict(environ)
         self.root = root
+        self.node = node
+        """The node's ``flexrun spares`` directory, asked first (None: start every spare here)."""
         self.spares: list[tuple[Worker, Path]] = []
         self._seq = 0
         self.last_ready_ts: float | None = None
@@ -45,7 +57,15 @@ class WarmPool:
             else:
                 _reap(w)
         self.spares = alive
-        while len(self.spares) < (self.size if count is None else count):
+        target = self.size if count is None else count
+        if self.node is not None and len(self.spares) < target:
+            try:
+                taken = take_spares(self.node, target - len(self.spares))
+            except OSError as exc:
+                log.warning("could not take spares from %s: %s", self.node, exc)
+                taken = []
+            self.spares.extend((a.worker, a.ready) for a in taken)
+        while len(self.spares) < target:
             self._seq += 1
             name = f"spare-{os.getpid()}-{self._seq}"
             ready = self.root / f"{name}.ready"
@@ -114,10 +134,18 @@ def assign(
         w.log_dir = log_dir
         w.error_file = log_dir / "error.json"
         w.error_file.unlink(missing_ok=True)
-        task["stdout"] = str(log_dir / "stdout.log")
-        task["stderr"] = str(log_dir / "stderr.log")
+        for stream in ("stdout", "stderr"):
+            path = log_dir / f"{stream}.log"
+            path.touch()  # the agent's tees open it at once; the spare appends
+            task[stream] = str(path)
     env["TORCHELASTIC_ERROR_FILE"] = str(w.error_file)
     task["env"] = env
+    task["cwd"] = os.getcwd()
+    if isinstance(w.proc, AdoptedProcess):
+        # Started by the node's daemon, not by us: it must die with this agent, and keep
+        # its exit code where we can read it even if the daemon goes away.
+        task["agent_pid"] = os.getpid()
+        task["exit_record"] = str(exit_record(w.proc.root, w.proc.name, own=True))
     assert w.proc.stdin is not None
     w.proc.stdin.write((json.dumps(task) + "\n").encode())
     w.proc.stdin.close()
@@ -149,4 +177,4 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     # each warning c10d logs for one can stall seconds on a reverse DNS lookup.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     log_root = (config.log_dir or config.run_dir / "logs") / "live"
-    return WarmPool(config.warm_spares, env, log_root / "spares")
+    return WarmPool(config.warm_spares, env, log_root / "spares", node=config.spares_dir)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,11 +65,25 @@ class WorkerResult:
             return f"signal {-self.returncode}"
 
 
+class Process(Protocol):
+    """What the agent uses of a worker process: a ``subprocess.Popen``, or a spare it took
+    from the node's ``flexrun spares`` (:class:`flexrun.agent.nodepool.AdoptedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class Worker:
     local_rank: int
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
     log_dir: Path
     error_file: Path
     result: WorkerResult | None = None

@@ -4,14 +4,23 @@ Owns only the hand-over: the agent starts ``python -m flexrun.train.spare`` ahea
 when a live worker dies, it writes one JSON line to the spare's stdin (the worker's
 environment, argv and entry point) and the spare becomes that worker without paying the
 interpreter and torch start-up again. End of stdin without an assignment: exit 0.
+
+A spare started by a node's ``flexrun spares`` daemon (not by the agent that assigns it)
+also gets the agent's pid, its working directory and where to record its exit code: it
+then dies with that agent instead of with the daemon (its parent), and its exit code
+survives the daemon.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
+import select
+import signal
 import sys
+import threading
 
 import torch  # (the point of a spare: pay these imports before they are needed)
 import torch.distributed  # noqa: F401
@@ -36,6 +45,13 @@ def main() -> int:
             os.close(target)
     os.environ.clear()
     os.environ.update(task["env"])
+    if task.get("cwd"):
+        os.chdir(task["cwd"])
+    for entry in reversed(task["env"].get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)  # the spare's own PYTHONPATH may have been another
+    if task.get("agent_pid"):
+        _die_with(int(task["agent_pid"]))
     threads = task["env"].get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         # torch sized its thread pool from the spare's environment at import.
@@ -43,12 +59,60 @@ def main() -> int:
     sys.stdin = open(os.devnull)  # noqa: SIM115  (the assignment channel is done)
     entry = task["entry"]
     sys.argv = [entry, *task["args"]]
-    if task.get("module"):
-        runpy.run_module(entry, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))
-        runpy.run_path(entry, run_name="__main__")
+    record = task.get("exit_record")
+    try:
+        if task.get("module"):
+            runpy.run_module(entry, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))
+            runpy.run_path(entry, run_name="__main__")
+    except SystemExit as exc:
+        if record:
+            _record(record, _exit_code(exc.code))
+        raise
+    except KeyboardInterrupt:
+        if record:
+            _record(record, -signal.SIGINT)
+        raise
+    except BaseException:
+        if record:
+            _record(record, 1)
+        raise
+    if record:
+        _record(record, 0)
     return 0
+
+
+def _exit_code(code: object) -> int:
+    """The status ``sys.exit(code)`` ends the process with."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _record(path: str, returncode: int) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"pid": os.getpid(), "returncode": returncode}, fh)
+    os.replace(tmp, path)
+
+
+def _die_with(agent_pid: int) -> None:
+    """Die (with everything in this session) when ``agent_pid`` exits, not when the daemon
+    that started this spare does: the agent that took it owns it now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none (it named the daemon)
+    try:
+        fd = os.pidfd_open(agent_pid)
+    except ProcessLookupError:
+        os.killpg(0, signal.SIGKILL)  # the agent is already gone
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="flexrun-agent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,261 @@
+"""`flexrun spares`: a node's warm interpreters, taken by agents started later.
+
+Real daemon, real agents, real signals: the workers are the daemon's processes (same
+PIDs), exit codes reach the agent through the daemon (or the spare itself when the daemon
+is gone), a worker dies with the agent that took it, and the daemon survives its agents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from live_support import HB, LIVE_STEPS, step_rows, wait_step
+from support import Procs, alive_pids, read_events, wait_for
+
+SCRIPT = """
+import json, os, sys, time
+import helper_mod  # only on the agent's PYTHONPATH, not the daemon's
+out = sys.argv[1]
+rank = os.environ["RANK"]
+with open(f"{out}.{rank}.json", "w") as fh:
+    json.dump({"pid": os.getpid(), "cwd": os.getcwd(), "rank": rank,
+               "world": os.environ["WORLD_SIZE"], "helper": helper_mod.VALUE}, fh)
+time.sleep(float(os.environ.get("SLEEP", "0")))
+sys.exit(int(os.environ.get("CODE_RANK_" + rank, "0")))
+"""
+
+
+def start_spares(procs: Procs, root: Path, count: int) -> subprocess.Popen[str]:
+    d = procs.start(
+        ["spares", "--dir", str(root), "--count", str(count), "--refill-delay", "0"],
+        name="spares",
+    )
+    wait_for(lambda: len(ready_pids(root)) >= count, 90, f"{count} spares ready")
+    return d
+
+
+def ready_pids(root: Path) -> set[int]:
+    """PIDs of the daemon's idle spares that finished importing (each writes its ready file)."""
+    out = set()
+    for f in (root / "spares").glob("*.ready"):
+        try:
+            out.add(int(f.read_text()))
+        except (FileNotFoundError, ValueError):
+            continue  # being written or just taken
+    return out
+
+
+def status(root: Path) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "flexrun", "spares", "--dir", str(root), "--status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def job(procs: Procs, tmp: Path, name: str, root: Path, nproc: int, **env: str):  # type: ignore[no-untyped-def]
+    script = tmp / "w.py"
+    script.write_text(SCRIPT)
+    lib = tmp / "lib"
+    lib.mkdir(exist_ok=True)
+    (lib / "helper_mod.py").write_text("VALUE = 42\n")
+    work = tmp / f"cwd-{name}"
+    work.mkdir()
+    args = [
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--spares-dir",
+        str(root),
+        "--run-dir",
+        str(tmp / f"run-{name}"),
+        str(script),
+        str(tmp / f"out-{name}"),
+    ]
+    full = {"PYTHONPATH": str(lib), **env}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flexrun", *args],
+        cwd=work,
+        env={**os.environ, **full},
+        stdout=open(tmp / f"{name}.out", "w"),  # noqa: SIM115
+        stderr=open(tmp / f"{name}.err", "w"),  # noqa: SIM115
+        start_new_session=True,
+    )
+    procs.procs.append(p)  # type: ignore[arg-type]
+    return p, work
+
+
+def outputs(tmp: Path, name: str) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(tmp.glob(f"out-{name}.*.json"))]
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_takes_the_nodes_warm_spares_as_its_workers(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    start_spares(procs, root, 2)
+    warm = ready_pids(root)
+    agent, work = job(procs, procs.tmp, "a", root, 2)
+    assert agent.wait(timeout=120) == 0, (procs.tmp / "a.err").read_text()[-3000:]
+    outs = outputs(procs.tmp, "a")
+    assert {o["pid"] for o in outs} == warm, "the workers are not the daemon's spares"
+    assert {o["rank"] for o in outs} == {"0", "1"}
+    assert all(o["cwd"] == str(work) and o["world"] == "2" and o["helper"] == 42 for o in outs)
+    # Their output went to the rank logs of this run, as a fresh worker's would.
+    logs = list((procs.tmp / "run-a").rglob("rank_*/stdout.log"))
+    assert len(logs) == 2
+    # The daemon refills (--refill-delay 0) and keeps serving.
+    wait_for(lambda: status(root)["ready"] == 2, 90, "the daemon to refill")
+    assert not ready_pids(root) & warm
+
+
+@pytest.mark.timeout(240)
+def test_exit_codes_and_kill_9_of_a_taken_spare_reach_the_agent(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    start_spares(procs, root, 1)
+    agent, _ = job(procs, procs.tmp, "code", root, 1, CODE_RANK_0="3")
+    assert agent.wait(timeout=120) != 0
+    failures = [e for e in read_events(procs.tmp / "run-code") if e["event"] == "failure"]
+    assert failures and failures[0]["exit_code"] == 3, failures
+
+    wait_for(lambda: ready_pids(root), 90, "the daemon to refill")
+    agent, _ = job(procs, procs.tmp, "kill", root, 1, SLEEP="60")
+    (out,) = wait_for(lambda: outputs(procs.tmp, "kill") or None, 60, "the worker to start")
+    os.kill(out["pid"], signal.SIGKILL)
+    assert agent.wait(timeout=60) != 0
+    failures = [e for e in read_events(procs.tmp / "run-kill") if e["event"] == "failure"]
+    assert failures and failures[0]["signal"] == "SIGKILL", failures
+
+
+@pytest.mark.timeout(240)
+def test_a_taken_spare_dies_with_its_agent_and_the_daemon_lives_on(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    daemon = start_spares(procs, root, 1)
+    agent, _ = job(procs, procs.tmp, "a", root, 1, SLEEP="120")
+    (out,) = wait_for(lambda: outputs(procs.tmp, "a") or None, 60, "the worker to start")
+    os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=10)
+    wait_for(lambda: not alive_pids([out["pid"]]), 20, "the worker to die with its agent")
+    assert daemon.poll() is None
+    wait_for(lambda: status(root)["ready"] == 1, 90, "the daemon to refill")
+
+
+@pytest.mark.timeout(240)
+def test_workers_outlive_the_daemon_and_keep_their_exit_codes(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    daemon = start_spares(procs, root, 2)
+    agent, _ = job(procs, procs.tmp, "a", root, 2, SLEEP="4")
+    outs = wait_for(
+        lambda: len(outputs(procs.tmp, "a")) == 2 and outputs(procs.tmp, "a"), 60, "workers"
+    )
+    os.killpg(daemon.pid, signal.SIGKILL)  # the daemon and its idle spares (none left idle)
+    daemon.wait(timeout=10)
+    assert alive_pids([o["pid"] for o in outs]), "the workers died with the daemon"
+    assert agent.wait(timeout=60) == 0, (procs.tmp / "a.err").read_text()[-3000:]
+    # A job started while no daemon serves the directory starts its workers itself.
+    agent, _ = job(procs, procs.tmp, "cold", root, 1)
+    assert agent.wait(timeout=120) == 0, (procs.tmp / "cold.err").read_text()[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_one_line_and_a_second_daemon_is_refused(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "flexrun", *args], capture_output=True, text=True, timeout=60
+        )
+
+    for args, needle in (
+        (["spares", "--dir", str(root), "--count", "0"], "--count 0"),
+        (["spares", "--dir", str(root), "--refill-delay", "-1"], "--refill-delay"),
+        (["spares", "--dir", str(root), "--status"], "no `flexrun spares` serves"),
+    ):
+        res = run(*args)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1, res.stderr
+    start_spares(procs, root, 1)
+    res = run("spares", "--dir", str(root))
+    assert res.returncode == 2 and "already serves" in res.stderr, res.stderr
+    assert status(root)["ready"] == 1  # the first daemon is untouched
+
+
+@pytest.mark.timeout(300)
+def test_a_live_node_joins_with_the_nodes_spare_and_the_first_node_keeps_its_pids(
+    procs: Procs, store_server: tuple[str, int]
+) -> None:
+    host, port = store_server
+    root = procs.tmp / "spares-b"
+
+    def agent(name: str, *extra: str) -> subprocess.Popen[str]:
+        return procs.start(
+            [
+                "run",
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "1",
+                "--mode",
+                "live",
+                "--rdzv-endpoint",
+                f"{host}:{port}",
+                "--rdzv-id",
+                "livejob",
+                "--rdzv-conf",
+                HB,
+                "--node-id",
+                name,
+                "--run-dir",
+                str(procs.tmp / f"run-{name}"),
+                *extra,
+                str(LIVE_STEPS),
+                "--steps",
+                "100000",
+                "--step-time",
+                "0.05",
+                "--progress",
+                str(procs.tmp / "p.jsonl"),
+            ],
+            name=name,
+        )
+
+    a = agent("a")
+    wait_step(procs.tmp, 5)
+    a_pids = {r["pid"] for r in step_rows(procs.tmp)}
+    start_spares(procs, root, 1)
+    warm = ready_pids(root)
+    t_join = time.time()
+    b = agent("b", "--spares-dir", str(root))
+
+    def world_2_pids() -> set[int] | None:
+        pids = {r["pid"] for r in step_rows(procs.tmp) if r["ts"] > t_join and r["world"] == 2}
+        return pids if len(pids) == 2 else None
+
+    pids = wait_for(world_2_pids, 90, "both nodes' workers to train at world 2")
+    assert pids == a_pids | warm, "b's worker is not the node's spare (or a's restarted)"
+    n = max(r["step"] for r in step_rows(procs.tmp))
+    wait_step(procs.tmp, n + 20)  # both keep training together
+    assert a.poll() is None and b.poll() is None
+    joined = [
+        e
+        for name in ("a", "b")
+        for e in read_events(procs.tmp / f"run-{name}")
+        if e["event"] == "live_joined"
+    ]
+    by_epoch: dict[int, set[str]] = {}
+    for e in joined:
+        by_epoch.setdefault(e["epoch"], set()).add(e["checksum"])
+    assert len(by_epoch) >= 2 and all(len(s) == 1 for s in by_epoch.values()), by_epoch
+    b.send_signal(signal.SIGTERM)  # b's worker (the daemon's process) goes with its agent
+    assert b.wait(timeout=60) == 143
+    wait_for(lambda: not alive_pids(sorted(warm)), 30, "b's worker to exit")
