@@ -259,3 +259,29 @@ def test_a_live_node_joins_with_the_nodes_spare_and_the_first_node_keeps_its_pid
     b.send_signal(signal.SIGTERM)  # b's worker (the daemon's process) goes with its agent
     assert b.wait(timeout=60) == 143
     wait_for(lambda: not alive_pids(sorted(warm)), 30, "b's worker to exit")
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_of_another_python_environment_does_not_take_the_spares(procs: Procs) -> None:
+    venv = procs.tmp / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
+    )
+    root = procs.tmp / "spares"
+    start_spares(procs, root, 1)
+    warm = ready_pids(root)
+    script = procs.tmp / "w.py"
+    script.write_text("import os; print('pid', os.getpid())\n")
+    res = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "flexrun", "run", "--standalone"]
+        + ["--spares-dir", str(root), "--run-dir", str(procs.tmp / "run"), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=procs.tmp,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "not taken" in res.stderr, res.stderr[-3000:]
+    assert ready_pids(root) == warm  # still there, idle

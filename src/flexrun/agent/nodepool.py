@@ -55,6 +55,12 @@ RECORD_TTL_S = 3600.0
 RECORD_WAIT_S = 1.0
 
 
+def interpreter() -> str:
+    """What a spare and the agent taking it must share: the Python (and its environment,
+    e.g. a virtualenv) and the flexrun version."""
+    return f"{os.path.realpath(sys.executable)} prefix {sys.prefix} flexrun {__version__}"
+
+
 def exit_record(root: Path, name: str, *, own: bool = False) -> Path:
     """Where the daemon (or, with ``own``, the spare itself) writes a spare's exit status."""
     return root / "exits" / (f"{name}.self.json" if own else f"{name}.json")
@@ -127,6 +133,7 @@ class SparesDaemon:
         self._refill_at = 0.0
         self._boot_failures = 0
         self._pruned_at = 0.0
+        self._last_failed: Path | None = None
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o700)  # the socket hands out processes: this user only
         (root / "exits").mkdir(exist_ok=True)
@@ -175,6 +182,9 @@ class SparesDaemon:
                     _tail(s.worker.log_dir / "stderr.log"),
                 )
                 _close_files(s.worker)
+                if self._last_failed is not None:  # keep the latest failure's logs only
+                    shutil.rmtree(self._last_failed, ignore_errors=True)
+                self._last_failed = s.worker.log_dir
             elif self._boot_failures and s.ready.exists():
                 self._boot_failures = 0
         for s in list(self.given):
@@ -256,12 +266,12 @@ class SparesDaemon:
         if not isinstance(count, int) or not 1 <= count <= MAX_TAKE:
             _send(conn, {"error": f"count {count!r}: must be 1-{MAX_TAKE}"})
             return
-        if req.get("executable") != sys.executable or req.get("version") != __version__:
+        if req.get("interpreter") != interpreter():
             _send(
                 conn,
                 {
-                    "error": f"these spares run {sys.executable} with flexrun {__version__}; "
-                    f"the agent runs {req.get('executable')} with flexrun {req.get('version')}"
+                    "error": f"these spares run {interpreter()}; "
+                    f"the agent runs {req.get('interpreter')}: not taken"
                 },
             )
             return
@@ -303,8 +313,7 @@ class SparesDaemon:
             "ready": sum(1 for s in self.idle if s.ready.exists()),
             "booting": sum(1 for s in self.idle if not s.ready.exists()),
             "handed_out": len(self.given),
-            "executable": sys.executable,
-            "version": __version__,
+            "interpreter": interpreter(),
         }
 
     def close(self) -> None:
@@ -318,6 +327,7 @@ class SparesDaemon:
             s.proc.wait()
             _close_files(s.worker)
             s.ready.unlink(missing_ok=True)
+            shutil.rmtree(s.worker.log_dir, ignore_errors=True)
         self.idle = []
         for s in self.given:
             if s.agent_fd is not None:
@@ -416,7 +426,7 @@ def take_spares(root: Path, count: int) -> list[Adopted]:
         except (FileNotFoundError, ConnectionRefusedError):
             log.debug("no `flexrun spares` serves %s", root)
             return []
-        req = {"op": "take", "count": count, "executable": sys.executable, "version": __version__}
+        req = {"op": "take", "count": count, "interpreter": interpreter()}
         sock.sendall((json.dumps(req) + "\n").encode())
         data, fds, _, _ = socket.recv_fds(sock, 65536, MAX_TAKE)
         while not data.endswith(b"\n"):
