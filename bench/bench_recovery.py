@@ -698,7 +698,7 @@ def live_join_breakdown(d: Path, t0: float, first_step_ts: float) -> str:
         ("joined", next((e["ts"] for e in b if e["event"] == "live_joined"), None)),
         ("step", first_step_ts),
     ]
-    return ", ".join(f"{k} +{v - t0:.2f}" if v else f"{k} -" for k, v in marks)
+    return ", ".join(f"{k} {v - t0:+.2f}" if v else f"{k} -" for k, v in marks)
 
 
 # --------------------------------------------------------------------------- report
