@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -177,17 +178,23 @@ def _cmd_store(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--port {ns.port}: out of range 0-65535")
     server = TcpStoreServer(ns.host, ns.port)
     print(f"flexrun store listening on {ns.host}:{server.port}", flush=True)
-    stop = {"sig": 0}
+    stopped = _until_signalled()
+    while not stopped():
+        time.sleep(0.2)  # (signal.pause() could miss a signal that came just before it)
+    server.close()
+    return 0
+
+
+def _until_signalled() -> Callable[[], bool]:
+    """Catch SIGTERM and SIGINT from now on; the returned callable says whether one came."""
+    seen: list[int] = []
 
     def handler(signum: int, frame: object) -> None:
-        stop["sig"] = signum
+        seen.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-    while not stop["sig"]:
-        signal.pause()
-    server.close()
-    return 0
+    return lambda: bool(seen)
 
 
 def _add_spares(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
@@ -221,14 +228,7 @@ def _cmd_spares(ns: argparse.Namespace) -> int:
         return 0
     daemon = SparesDaemon(root, ns.count, environ=ns.environ, refill_delay_s=ns.refill_delay)
     print(f"flexrun spares: keeping {ns.count} warm in {root} (pid {os.getpid()})", flush=True)
-    stop = {"sig": 0}
-
-    def handler(signum: int, frame: object) -> None:
-        stop["sig"] = signum
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-    daemon.serve(lambda: bool(stop["sig"]))
+    daemon.serve(_until_signalled())
     return 0
 
 

@@ -57,6 +57,48 @@ def start_live(  # type: ignore[no-untyped-def]
     return agent, run
 
 
+def start_live_node(  # type: ignore[no-untyped-def]
+    procs: Procs,
+    endpoint: str,
+    name: str,
+    progress: Path,
+    *extra: str,
+    nproc: int,
+):
+    """One live agent as node ``name`` of job ``livejob`` on the store at ``endpoint``,
+    training live_steps.py until stopped; its run directory is ``procs.tmp/run-<name>``."""
+    return procs.start(
+        [
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            str(nproc),
+            "--mode",
+            "live",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "livejob",
+            "--rdzv-conf",
+            HB,
+            "--node-id",
+            name,
+            "--run-dir",
+            str(procs.tmp / f"run-{name}"),
+            *extra,
+            str(LIVE_STEPS),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.05",
+            "--progress",
+            str(progress),
+        ],
+        name=name,
+    )
+
+
 def live_workers(run_dir: Path, n: int) -> list[int]:
     """PIDs of the first ``n`` workers the agent started (from warm spares or fresh), in
     local-rank order. A spare-based worker's command line names no script: use the events."""

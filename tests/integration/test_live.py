@@ -9,8 +9,6 @@ import time
 import pytest
 import torch
 from live_support import (
-    HB,
-    LIVE_STEPS,
     assert_at_most_step_in_flight_redone,
     assert_every_sample_once_per_data_epoch,
     assert_survivors_agree,
@@ -19,6 +17,7 @@ from live_support import (
     reference_weights,
     spare_ready,
     start_live,
+    start_live_node,
     step_rows,
     wait_step,
 )
@@ -110,38 +109,16 @@ def test_two_nodes_live_kill_9_of_one_agent_keeps_the_others_pids_and_a_new_agen
     progress = procs.tmp / "p.jsonl"
 
     def agent(name: str):  # type: ignore[no-untyped-def]
-        return procs.start(
-            [
-                "run",
-                "--nnodes",
-                "1:2",
-                "--nproc-per-node",
-                "2",
-                "--mode",
-                "live",
-                "--warm-spares",
-                "0",
-                "--rdzv-endpoint",
-                f"{host}:{port}",
-                "--rdzv-id",
-                "livejob",
-                "--rdzv-conf",
-                HB,
-                "--max-restarts",
-                "5",
-                "--node-id",
-                name,
-                "--run-dir",
-                str(procs.tmp / f"run-{name}"),
-                str(LIVE_STEPS),
-                "--steps",
-                "100000",
-                "--step-time",
-                "0.05",
-                "--progress",
-                str(progress),
-            ],
-            name=name,
+        return start_live_node(
+            procs,
+            f"{host}:{port}",
+            name,
+            progress,
+            "--warm-spares",
+            "0",
+            "--max-restarts",
+            "5",
+            nproc=2,
         )
 
     a = agent("a")

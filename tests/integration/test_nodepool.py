@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from live_support import HB, LIVE_STEPS, step_rows, wait_step
+from live_support import start_live_node, step_rows, wait_step
 from support import Procs, alive_pids, read_events, wait_for
 
 SCRIPT = """
@@ -198,35 +198,8 @@ def test_a_live_node_joins_with_the_nodes_spare_and_the_first_node_keeps_its_pid
     root = procs.tmp / "spares-b"
 
     def agent(name: str, *extra: str) -> subprocess.Popen[str]:
-        return procs.start(
-            [
-                "run",
-                "--nnodes",
-                "1:2",
-                "--nproc-per-node",
-                "1",
-                "--mode",
-                "live",
-                "--rdzv-endpoint",
-                f"{host}:{port}",
-                "--rdzv-id",
-                "livejob",
-                "--rdzv-conf",
-                HB,
-                "--node-id",
-                name,
-                "--run-dir",
-                str(procs.tmp / f"run-{name}"),
-                *extra,
-                str(LIVE_STEPS),
-                "--steps",
-                "100000",
-                "--step-time",
-                "0.05",
-                "--progress",
-                str(procs.tmp / "p.jsonl"),
-            ],
-            name=name,
+        return start_live_node(  # type: ignore[no-any-return]
+            procs, f"{host}:{port}", name, procs.tmp / "p.jsonl", *extra, nproc=1
         )
 
     a = agent("a")
