@@ -279,6 +279,7 @@ class LiveLoop:
         flags = torch.tensor(
             [1.0 if self.group.pending_change else 0.0, 1.0 if self._preempted else 0.0],
             dtype=grads[0].dtype if grads else torch.float32,
+            device=grads[0].device if grads else None,  # (a model on a GPU: one buffer)
         )
         buf = torch.cat([*grads, flags]) if grads else flags
         try:
