@@ -45,7 +45,13 @@ KINDS = (
 """Every fault kind the injector knows."""
 
 WORKLOAD = Path(__file__).with_name("chaos_workload.py")
-RDZV_CONF = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=120"
+# is_host=0: the agents are clients of the standalone store that restart_store restarts. An
+# agent started during that outage would otherwise host the store on the endpoint's port
+# itself (c10d semantics, as torchrun), the restarted store then failed EADDRINUSE for the
+# injector's 20 s and the job's store died with that agent (seen re-running the long run).
+RDZV_CONF = (
+    "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=120,is_host=0"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +165,7 @@ class ChaosJob:
         self.t_start = 0.0
         self._next_node = 0
         self._stopped: set[int] = set()
+        self._leaving: set[str] = set()  # agents sent SIGTERM: alive until they finish leaving
 
     # -- processes ----------------------------------------------------------------------
     def _popen(
@@ -352,8 +359,11 @@ class ChaosJob:
         return {"outcome": "done", "rank": w[0], "pid": w[1], "slow_s": 2 * fault.hold_s}
 
     def _pick_agent(self, fault: Fault) -> str | None:
-        alive = self.alive_agents()
-        return alive[fault.pick % len(alive)] if len(alive) >= 2 else None
+        """An agent to take away, as long as another one stays. A preempted agent is still
+        alive while it stops its workers, but it is leaving: it does not count as staying
+        (a kill_agent right after a term_agent left no node at all)."""
+        staying = [n for n in self.alive_agents() if n not in self._leaving]
+        return staying[fault.pick % len(staying)] if len(staying) >= 2 else None
 
     def _f_kill_agent(self, fault: Fault) -> dict[str, Any]:
         if self.spec.launcher == "torchrun":
@@ -376,6 +386,7 @@ class ChaosJob:
             return {"outcome": "skipped", "reason": "only one node left"}
         p = self.agents[name]
         self.expected_exit[name] = {0, 143, -signal.SIGTERM}
+        self._leaving.add(name)
         p.send_signal(signal.SIGTERM)  # a preemption notice to the agent only
         return {"outcome": "done", "node": name, "pid": p.pid}
 
