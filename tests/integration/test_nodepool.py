@@ -7,6 +7,7 @@ is gone), a worker dies with the agent that took it, and the daemon survives its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -258,3 +259,58 @@ def test_an_agent_of_another_python_environment_does_not_take_the_spares(procs: 
     assert res.returncode == 0, res.stderr[-3000:]
     assert "not taken" in res.stderr, res.stderr[-3000:]
     assert ready_pids(root) == warm  # still there, idle
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_daemon_does_not_hold_an_agent_back(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    daemon = start_spares(procs, root, 1)
+    warm = ready_pids(root)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        agent, _ = job(procs, procs.tmp, "a", root, 1)
+        assert agent.wait(timeout=120) == 0, (procs.tmp / "a.err").read_text()[-3000:]
+        (out,) = outputs(procs.tmp, "a")
+        assert out["pid"] not in warm  # started by the agent itself, after the take timed out
+        assert "could not take spares" in (procs.tmp / "a.err").read_text()
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    # The daemon carries on (the late request finds its agent gone) and serves the next one.
+    wait_for(lambda: status(root)["ready"] == 1, 90, "the daemon to serve again")
+    fresh = ready_pids(root)
+    agent, _ = job(procs, procs.tmp, "b", root, 1)
+    assert agent.wait(timeout=120) == 0, (procs.tmp / "b.err").read_text()[-3000:]
+    (out,) = outputs(procs.tmp, "b")
+    assert out["pid"] in fresh
+
+
+@pytest.mark.timeout(240)
+def test_the_daemon_survives_a_full_disk(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    root.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        daemon = start_spares(procs, root, 1)
+        agent, _ = job(procs, procs.tmp, "a", root, 1, SLEEP="3")
+        wait_for(lambda: outputs(procs.tmp, "a") or None, 60, "the worker to start")
+        ballast = root / "ballast"
+        with open(ballast, "wb") as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\0" * 65536)  # until ENOSPC
+        # Neither the daemon nor the spare can record the exit: the agent says so and
+        # reports the worker as killed; the daemon stays up.
+        assert agent.wait(timeout=60) != 0
+        assert "no exit status was recorded" in (procs.tmp / "a.err").read_text()
+        assert daemon.poll() is None
+        ballast.unlink()
+        assert status(root)["handed_out"] == 0
+    finally:
+        procs.cleanup()
+        subprocess.run(["umount", "-l", str(root)], capture_output=True, timeout=30)

@@ -51,6 +51,9 @@ MAX_TAKE = 256
 BOOT_RETRY_S = (1.0, 60.0)
 # Exit records older than this are removed (their agent never read them).
 RECORD_TTL_S = 3600.0
+# How long an agent waits for the daemon's answer before it starts its workers itself (the
+# daemon answers in milliseconds; a stopped or starved one must not hold a start back).
+TAKE_TIMEOUT_S = 2.0
 # How long an agent waits for an exit record after the process is gone.
 RECORD_WAIT_S = 1.0
 
@@ -190,10 +193,13 @@ class SparesDaemon:
         for s in list(self.given):
             rc = s.proc.poll()
             if rc is not None:
-                _write_json(
-                    exit_record(self.root, s.name),
-                    {"pid": s.proc.pid, "returncode": rc, "ended_at": time.time()},
-                )
+                try:
+                    _write_json(
+                        exit_record(self.root, s.name),
+                        {"pid": s.proc.pid, "returncode": rc, "ended_at": time.time()},
+                    )
+                except OSError as exc:  # e.g. a full disk: the spare's own record may serve
+                    log.error("exit status %d of pid %d not recorded: %s", rc, s.proc.pid, exc)
                 self._forget(s)
             elif _gone(s.agent_fd):
                 # Its agent died: the spare should have gone with it (it watches the agent
@@ -416,10 +422,11 @@ def take_spares(root: Path, count: int) -> list[Adopted]:
     """Up to ``count`` spares from the daemon serving ``root``; [] when none serves it.
 
     Raises:
-        OSError: the daemon answered something unreadable.
+        OSError: the daemon did not answer within ``TAKE_TIMEOUT_S`` (e.g. it is stopped)
+            or answered something unreadable.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5.0)
+    sock.settimeout(TAKE_TIMEOUT_S)
     try:
         try:
             sock.connect(str(root / SOCKET_NAME))

@@ -92,9 +92,12 @@ def _exit_code(code: object) -> int:
 
 def _record(path: str, returncode: int) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"pid": os.getpid(), "returncode": returncode}, fh)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump({"pid": os.getpid(), "returncode": returncode}, fh)
+        os.replace(tmp, path)
+    except OSError as exc:  # (a full disk must not change how the script ended)
+        print(f"flexrun spare: exit code {returncode} not recorded: {exc}", file=sys.stderr)
 
 
 def _die_with(agent_pid: int) -> None:
