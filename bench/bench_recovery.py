@@ -503,7 +503,8 @@ def scaleup_trial(
     run_id = f"bench{trial}x{max_nodes}"
     deadline = time.monotonic() + a.scale_timeout
     prog = {n: d / f"progress-{n}.jsonl" for n in ("a", "b")}
-    flex = kind in ("flexrun", "live", "live-node")
+    flex = kind in ("flexrun", "live", "live-node", "live-agent")
+    warm_node = kind in ("live-node", "live-agent")
     live = kind.startswith("live")
     env = {} if flex else SHARE_OFF
     # --pin-nodes: node a (and the store, which torchrun's c10d backend hosts in node a's
@@ -557,11 +558,7 @@ def scaleup_trial(
                     + common
                     + ["--node-id", f"node-{node}", "--run-dir", str(d / f"run-{node}")]
                     + (["--mode", "live"] if live else [])
-                    + (
-                        ["--spares-dir", str(d / "spares-b")]
-                        if kind == "live-node" and node == "b"
-                        else []
-                    )
+                    + (["--spares-dir", str(d / "spares-b")] if warm_node and node == "b" else [])
                 )
             else:
                 pre = TORCHRUN + common
@@ -579,16 +576,22 @@ def scaleup_trial(
                 False, note="first node never trained", detail=tail(procs.logs["agent-a"])
             )
         a_pids = {r["pid"] for r in read_progress(prog["a"])}
-        if kind == "live-node":
-            # Node b was up before its agent: its `flexrun spares` has one interpreter warm.
+        if warm_node:
+            # Node b was up before its agent: its `flexrun spares` has one worker interpreter
+            # warm (live-agent: and one agent interpreter, which `flexrun run` hands itself to).
             spares = d / "spares-b"
+            agents = 1 if kind == "live-agent" else 0
             procs.start(
                 "spares-b",
-                [*FLEXRUN[:-1], "spares", "--dir", str(spares), "--count", "1"],
+                [*FLEXRUN[:-1], "spares", "--dir", str(spares), "--count", "1"]
+                + ["--agents", str(agents)],
                 cpus=pin["b"],
             )
             if not poll(
-                lambda: list((spares / "spares").glob("*.ready")), deadline, procs, interval=0.05
+                lambda: len(list((spares / "spares").glob("*.ready"))) == 1 + agents,
+                deadline,
+                procs,
+                interval=0.05,
             ):
                 return Outcome(
                     False,
@@ -775,9 +778,10 @@ def main() -> int:
     ap.add_argument("--skip-scaleup", action="store_true")
     ap.add_argument(
         "--scale-kinds",
-        default="flexrun,live,live-node,torchrun",
-        help="scale-up launchers to run, of flexrun (restart), live, live-node (live with the "
-        "joining node's `flexrun spares` started before its agent), torchrun (default all)",
+        default="flexrun,live,live-node,live-agent,torchrun",
+        help="scale-up launchers to run, of flexrun (restart), live, live-node, live-agent (live "
+        "with the joining node's `flexrun spares` started before its agent; live-agent: with "
+        "--agents 1 too), torchrun (default all)",
     )
     ap.add_argument(
         "--scale-nnodes",
@@ -972,6 +976,7 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         "flexrun": "flexrun restart",
         "live": "flexrun live",
         "live-node": "flexrun live, node's spares warm",
+        "live-agent": "flexrun live, spares + agent warm",
         "torchrun": "torchrun (SHARE_RDZV_TCP_STORE off)",
     }
     wanted = set(a.scale_kinds.split(","))
@@ -984,7 +989,7 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
     plan = {
         n: [k for k in kinds if k in wanted]
         for n, kinds in {
-            2: ["flexrun", "live", "live-node", "torchrun"],
+            2: ["flexrun", "live", "live-node", "live-agent", "torchrun"],
             3: ["flexrun", "torchrun"],
         }.items()
         if n in maxes
@@ -1006,8 +1011,8 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         hdr,
         "-" * len(hdr),
     ]
-    worst = {"flexrun": 0.0, "live": 0.0, "live-node": 0.0}
-    allok = {"flexrun": True, "live": True, "live-node": True}
+    worst = {"flexrun": 0.0, "live": 0.0, "live-node": 0.0, "live-agent": 0.0}
+    allok = {"flexrun": True, "live": True, "live-node": True, "live-agent": True}
     for max_nodes, kinds in plan.items():
         for kind in kinds:
             outs = res[(max_nodes, kind)]
@@ -1021,6 +1026,7 @@ def bench_scaleup(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         ("flexrun", 5.0, "for every MAX"),
         ("live", 2.0, "(1:2)"),
         ("live-node", 2.0, "(1:2)"),
+        ("live-agent", 2.0, "(1:2)"),
     ):
         if kind not in wanted:
             continue

@@ -159,6 +159,13 @@ def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     config = run_config_from_args(ns, ns.environ)
+    if config.spares_dir is not None and ns.delegate:
+        # The node's `flexrun spares` may hold an agent with its imports done: run there.
+        from flexrun.agent.adopt import run_in_warm_agent
+
+        code = run_in_warm_agent(config.spares_dir, ns.argv)
+        if code is not None:
+            return code
     from flexrun.agent.launch import launch
 
     return launch(config)
@@ -207,6 +214,13 @@ def _add_spares(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None
     p.add_argument("--dir", required=True, help="directory for the socket, spares and exit records")
     p.add_argument("--count", type=int, default=1, help="idle spares to keep (default 1)")
     p.add_argument(
+        "--agents",
+        type=int,
+        default=0,
+        help="idle agents to keep (imports done), so `flexrun run --spares-dir` starts at once "
+        "(default 0)",
+    )
+    p.add_argument(
         "--refill-delay",
         type=float,
         default=5.0,
@@ -220,14 +234,21 @@ def _cmd_spares(ns: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from flexrun.agent.nodepool import SparesDaemon, query_status
+    from flexrun.agent.adopt import query_status
+    from flexrun.agent.nodepool import SparesDaemon
 
     root = Path(ns.dir).absolute()
     if ns.status:
         print(json.dumps(query_status(root)))
         return 0
-    daemon = SparesDaemon(root, ns.count, environ=ns.environ, refill_delay_s=ns.refill_delay)
-    print(f"flexrun spares: keeping {ns.count} warm in {root} (pid {os.getpid()})", flush=True)
+    daemon = SparesDaemon(
+        root, ns.count, environ=ns.environ, refill_delay_s=ns.refill_delay, agents=ns.agents
+    )
+    print(
+        f"flexrun spares: keeping {ns.count} warm (and {ns.agents} agents) in {root} "
+        f"(pid {os.getpid()})",
+        flush=True,
+    )
     daemon.serve(_until_signalled())
     return 0
 
@@ -263,7 +284,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, delegate: bool = True) -> int:
+    """``flexrun <argv>``; ``delegate=False``: never hand ``run`` to a warm agent (this
+    process is one)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     env = process_environ()
     # Before torch loads: c10d warns about every expired bounded store wait, which the
     # agent uses on purpose. Workers get the user's own setting (captured above).
@@ -277,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream=sys.stderr,
         )
         ns.environ = env
+        ns.argv, ns.delegate = argv, delegate
         return int(ns.func(ns))
     except FlexrunError as exc:
         print(f"flexrun: error: {exc}", file=sys.stderr)

@@ -33,19 +33,23 @@ sys.exit(int(os.environ.get("CODE_RANK_" + rank, "0")))
 """
 
 
-def start_spares(procs: Procs, root: Path, count: int) -> subprocess.Popen[str]:
+def start_spares(procs: Procs, root: Path, count: int, agents: int = 0) -> subprocess.Popen[str]:
     d = procs.start(
-        ["spares", "--dir", str(root), "--count", str(count), "--refill-delay", "0"],
+        ["spares", "--dir", str(root), "--count", str(count), "--refill-delay", "0"]
+        + ["--agents", str(agents)],
         name="spares",
     )
     wait_for(lambda: len(ready_pids(root)) >= count, 90, f"{count} spares ready")
+    if agents:
+        wait_for(lambda: status(root)["agents_ready"] == agents, 90, "warm agents")
     return d
 
 
-def ready_pids(root: Path) -> set[int]:
-    """PIDs of the daemon's idle spares that finished importing (each writes its ready file)."""
+def ready_pids(root: Path, kind: str = "w") -> set[int]:
+    """PIDs of the daemon's idle worker spares (``kind="a"``: agents) that finished
+    importing (each writes its ready file)."""
     out = set()
-    for f in (root / "spares").glob("*.ready"):
+    for f in (root / "spares").glob(f"{kind}*.ready"):
         try:
             out.add(int(f.read_text()))
         except (FileNotFoundError, ValueError):
@@ -314,3 +318,49 @@ def test_the_daemon_survives_a_full_disk(procs: Procs) -> None:
     finally:
         procs.cleanup()
         subprocess.run(["umount", "-l", str(root)], capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_flexrun_run_hands_itself_to_a_warm_agent(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    start_spares(procs, root, 1, agents=1)
+    (agent_pid,) = ready_pids(root, "a")
+    client, work = job(procs, procs.tmp, "ok", root, 1)
+    assert client.wait(timeout=120) == 0, (procs.tmp / "ok.err").read_text()[-3000:]
+    (out,) = outputs(procs.tmp, "ok")
+    assert out["cwd"] == str(work) and out["helper"] == 42  # the client's cwd and PYTHONPATH
+    assert f"handed agent a{procs.procs[0].pid}" in (procs.tmp / "spares.err").read_text()
+    # The agent's console output reached the client's stderr.
+    assert "round 1" in (procs.tmp / "ok.err").read_text()
+    assert not alive_pids([agent_pid])
+
+    # Exit codes are the agent's own (same as a cold `flexrun run`).
+    wait_for(lambda: status(root)["agents_ready"] == 1, 90, "a new warm agent")
+    client, _ = job(procs, procs.tmp, "code", root, 1, CODE_RANK_0="3")
+    cold = subprocess.run(
+        [sys.executable, "-m", "flexrun", "run", "--standalone", str(procs.tmp / "w.py")]
+        + [str(procs.tmp / "out-cold")],
+        env={**os.environ, "PYTHONPATH": str(procs.tmp / "lib"), "CODE_RANK_0": "3"},
+        cwd=procs.tmp,
+        capture_output=True,
+        timeout=120,
+    )
+    assert client.wait(timeout=120) == cold.returncode != 0
+
+    # SIGTERM to the client reaches the agent (preemption: 143, workers stopped).
+    wait_for(lambda: status(root)["agents_ready"] == 1, 90, "a new warm agent")
+    (agent_pid,) = ready_pids(root, "a")
+    client, _ = job(procs, procs.tmp, "term", root, 1, SLEEP="60")
+    (out,) = wait_for(lambda: outputs(procs.tmp, "term") or None, 60, "the worker to start")
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=60) == 143
+    wait_for(lambda: not alive_pids([agent_pid, out["pid"]]), 30, "agent and worker to end")
+
+    # kill -9 of the client is kill -9 of the agent: agent and worker die.
+    wait_for(lambda: status(root)["agents_ready"] == 1, 90, "a new warm agent")
+    (agent_pid,) = ready_pids(root, "a")
+    client, _ = job(procs, procs.tmp, "kill", root, 1, SLEEP="60")
+    (out,) = wait_for(lambda: outputs(procs.tmp, "kill") or None, 60, "the worker to start")
+    os.kill(client.pid, signal.SIGKILL)
+    client.wait(timeout=10)
+    wait_for(lambda: not alive_pids([agent_pid, out["pid"]]), 30, "agent and worker to die")

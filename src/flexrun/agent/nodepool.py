@@ -37,36 +37,26 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
-from flexrun import __version__
+from flexrun.agent.adopt import (
+    MAX_TAKE,
+    SOCKET_NAME,
+    exit_record,
+    interpreter,
+    pidfd,
+    process_gone,
+    read_line,
+    send_json,
+)
 from flexrun.agent.workers import Worker, spawn_worker
 from flexrun.errors import ConfigError
 
 log = logging.getLogger("flexrun.spares")
 
-SOCKET_NAME = "pool.sock"
-MAX_TAKE = 256
 # A spare that dies while importing is retried after this long, doubling up to the cap.
 BOOT_RETRY_S = (1.0, 60.0)
 # Exit records older than this are removed (their agent never read them).
 RECORD_TTL_S = 3600.0
-# How long an agent waits for the daemon's answer before it starts its workers itself (the
-# daemon answers in milliseconds; a stopped or starved one must not hold a start back).
-TAKE_TIMEOUT_S = 2.0
-# How long an agent waits for an exit record after the process is gone.
-RECORD_WAIT_S = 1.0
-
-
-def interpreter() -> str:
-    """What a spare and the agent taking it must share: the Python (and its environment,
-    e.g. a virtualenv) and the flexrun version."""
-    return f"{os.path.realpath(sys.executable)} prefix {sys.prefix} flexrun {__version__}"
-
-
-def exit_record(root: Path, name: str, *, own: bool = False) -> Path:
-    """Where the daemon (or, with ``own``, the spare itself) writes a spare's exit status."""
-    return root / "exits" / (f"{name}.self.json" if own else f"{name}.json")
 
 
 def _write_json(path: Path, data: Mapping[str, object]) -> None:
@@ -75,27 +65,18 @@ def _write_json(path: Path, data: Mapping[str, object]) -> None:
     os.replace(tmp, path)
 
 
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-
-
-def _gone(fd: int | None) -> bool:
-    """True once the process behind pidfd ``fd`` (None: already gone) has exited."""
-    if fd is None:
-        return True
-    return bool(select.select([fd], [], [], 0)[0])
-
-
 @dataclass
 class _Spare:
     name: str
     worker: Worker
     ready: Path
     started: float
+    kind: str = "worker"
+    """``worker`` (flexrun.train.spare) or ``agent`` (flexrun.agent.warm_agent)."""
+    socket: Path | None = None
+    """An agent's own socket, where the ``flexrun run`` client hands itself over."""
     agent_pid: int = 0
+    """Who took it: the agent (a worker spare), or the ``flexrun run`` client (an agent)."""
     agent_fd: int | None = None
 
     @property
@@ -119,13 +100,17 @@ class SparesDaemon:
         *,
         environ: Mapping[str, str],
         refill_delay_s: float = 5.0,
+        agents: int = 0,
     ) -> None:
         if not 1 <= count <= MAX_TAKE:
             raise ConfigError(f"--count {count}: must be 1-{MAX_TAKE}")
+        if not 0 <= agents <= MAX_TAKE:
+            raise ConfigError(f"--agents {agents}: must be 0-{MAX_TAKE}")
         if refill_delay_s < 0:
             raise ConfigError(f"--refill-delay {refill_delay_s:g}: must not be negative")
         self.root = root
         self.count = count
+        self.targets = {"worker": count, "agent": agents}
         self.refill_delay_s = refill_delay_s
         self.environ = dict(environ)
         # Live workers' bounded store waits expire on purpose; c10d reads this at import.
@@ -178,7 +163,8 @@ class SparesDaemon:
                 delay = min(BOOT_RETRY_S[1], BOOT_RETRY_S[0] * 2 ** (self._boot_failures - 1))
                 self._refill_at = max(self._refill_at, now + delay)
                 log.error(
-                    "spare %s exited with %d before it was taken (retry in %.0f s); stderr: %s",
+                    "%s spare %s exited with %d before it was taken (retry in %.0f s); stderr: %s",
+                    s.kind,
                     s.name,
                     rc,
                     delay,
@@ -201,32 +187,43 @@ class SparesDaemon:
                 except OSError as exc:  # e.g. a full disk: the spare's own record may serve
                     log.error("exit status %d of pid %d not recorded: %s", rc, s.proc.pid, exc)
                 self._forget(s)
-            elif _gone(s.agent_fd):
+            elif process_gone(s.agent_fd):
                 # Its agent died: the spare should have gone with it (it watches the agent
                 # once assigned; an unassigned one reads end of file). Make sure.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(s.proc.pid, signal.SIGKILL)
-        if len(self.idle) < self.count and now >= self._refill_at:
-            while len(self.idle) < self.count:
-                self.idle.append(self._start())
+        if now >= self._refill_at:
+            for kind, target in self.targets.items():
+                while sum(1 for s in self.idle if s.kind == kind) < target:
+                    self.idle.append(self._start(kind))
         if now - self._pruned_at > 60:
             self._pruned_at = now
             self._prune()
 
-    def _start(self) -> _Spare:
+    def _start(self, kind: str) -> _Spare:
         self._seq += 1
-        name = f"s{os.getpid()}-{self._seq}"
+        name = f"{kind[0]}{os.getpid()}-{self._seq}"
         ready = self.root / "spares" / f"{name}.ready"
         ready.parent.mkdir(parents=True, exist_ok=True)
         env = dict(self.environ, FLEXRUN_SPARE_READY=str(ready))
-        cmd = [sys.executable, "-u", "-m", "flexrun.train.spare"]
+        sock = None
+        if kind == "agent":
+            sock = self.root / "spares" / f"{name}.sock"
+            env["FLEXRUN_WARM_AGENT_SOCKET"] = str(sock)
+        module = "flexrun.agent.warm_agent" if kind == "agent" else "flexrun.train.spare"
         w = spawn_worker(
-            cmd, env, self.root / "spares" / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE
+            [sys.executable, "-u", "-m", module],
+            env,
+            self.root / "spares" / name,
+            rank=-1,
+            local_rank=-1,
+            stdin=subprocess.PIPE if kind == "worker" else subprocess.DEVNULL,
         )
-        return _Spare(name, w, ready, time.time())
+        return _Spare(name, w, ready, time.time(), kind=kind, socket=sock)
 
     def _forget(self, s: _Spare) -> None:
         self.given.remove(s)
+        s.ready.unlink(missing_ok=True)
         if s.agent_fd is not None:
             os.close(s.agent_fd)
         _close_files(s.worker)
@@ -258,22 +255,25 @@ class SparesDaemon:
             "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         )
         if uid != os.getuid():
-            _send(conn, {"error": f"uid {uid} may not take spares of uid {os.getuid()}"})
+            send_json(conn, {"error": f"uid {uid} may not take spares of uid {os.getuid()}"})
             return
-        req = json.loads(_read_line(conn))
+        req = json.loads(read_line(conn))
         op = req.get("op")
         if op == "status":
-            _send(conn, self.status())
+            send_json(conn, self.status())
+            return
+        if op == "take_agent":
+            self._take_agent(conn, pid, req)
             return
         if op != "take":
-            _send(conn, {"error": f"unknown op {op!r}"})
+            send_json(conn, {"error": f"unknown op {op!r}"})
             return
         count = req.get("count")
         if not isinstance(count, int) or not 1 <= count <= MAX_TAKE:
-            _send(conn, {"error": f"count {count!r}: must be 1-{MAX_TAKE}"})
+            send_json(conn, {"error": f"count {count!r}: must be 1-{MAX_TAKE}"})
             return
         if req.get("interpreter") != interpreter():
-            _send(
+            send_json(
                 conn,
                 {
                     "error": f"these spares run {interpreter()}; "
@@ -282,7 +282,8 @@ class SparesDaemon:
             )
             return
         # Ready ones first; a booting one is still sooner than a process started now.
-        chosen = sorted(self.idle, key=lambda s: not s.ready.exists())[:count]
+        workers = [s for s in self.idle if s.kind == "worker"]
+        chosen = sorted(workers, key=lambda s: not s.ready.exists())[:count]
         fds = []
         for s in chosen:
             assert s.proc.stdin is not None
@@ -305,7 +306,7 @@ class SparesDaemon:
             self.idle.remove(s)
             assert s.proc.stdin is not None
             s.proc.stdin.close()  # the agent holds the only write end now
-            s.agent_pid, s.agent_fd = pid, _pidfd(pid)
+            s.agent_pid, s.agent_fd = pid, pidfd(pid)
             self.given.append(s)
         if chosen:
             log.info("handed %d spare(s) to pid %d", len(chosen), pid)
@@ -313,11 +314,29 @@ class SparesDaemon:
         if sent < len(data):
             conn.sendall(data[sent:])
 
+    def _take_agent(self, conn: socket.socket, pid: int, req: Mapping[str, object]) -> None:
+        if req.get("interpreter") != interpreter():
+            send_json(conn, {"error": f"these agents run {interpreter()}: not taken"})
+            return
+        ready = [s for s in self.idle if s.kind == "agent" and s.ready.exists()]
+        if not ready:
+            send_json(conn, {"pid": 0})
+            return
+        s = ready[0]
+        send_json(conn, {"pid": s.proc.pid, "name": s.name, "socket": str(s.socket)})
+        self.idle.remove(s)
+        s.ready.unlink(missing_ok=True)  # (the flag means "idle and ready")
+        s.agent_pid, s.agent_fd = pid, pidfd(pid)
+        self.given.append(s)
+        log.info("handed agent %s to `flexrun run` pid %d", s.name, pid)
+        self._refill_at = max(self._refill_at, time.monotonic() + self.refill_delay_s)
+
     def status(self) -> dict[str, object]:
         return {
             "pid": os.getpid(),
-            "ready": sum(1 for s in self.idle if s.ready.exists()),
+            "ready": sum(1 for s in self.idle if s.kind == "worker" and s.ready.exists()),
             "booting": sum(1 for s in self.idle if not s.ready.exists()),
+            "agents_ready": sum(1 for s in self.idle if s.kind == "agent" and s.ready.exists()),
             "handed_out": len(self.given),
             "interpreter": interpreter(),
         }
@@ -333,6 +352,8 @@ class SparesDaemon:
             s.proc.wait()
             _close_files(s.worker)
             s.ready.unlink(missing_ok=True)
+            if s.socket is not None:
+                s.socket.unlink(missing_ok=True)
             shutil.rmtree(s.worker.log_dir, ignore_errors=True)
         self.idle = []
         for s in self.given:
@@ -341,167 +362,7 @@ class SparesDaemon:
         self.given = []
 
 
-# -- the agent's side ---------------------------------------------------------------------------
-class AdoptedProcess:
-    """A handed-out spare as the agent sees it: what the agent uses of ``subprocess.Popen``
-    (``pid``, ``stdin``, ``returncode``, ``poll``, ``wait``) for a process it did not start.
-    Exit is seen through a pidfd; the status comes from the daemon's (or the spare's own)
-    exit record."""
-
-    def __init__(self, pid: int, name: str, stdin: IO[bytes], root: Path) -> None:
-        self.pid = pid
-        self.name = name
-        self.stdin: IO[bytes] | None = stdin
-        self.returncode: int | None = None
-        self.root = root
-        self._fd = _pidfd(pid)
-        self._gone_at: float | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        if not _gone(self._fd):
-            return None
-        rc = self._read_record()
-        if rc is None:
-            now = time.monotonic()
-            self._gone_at = self._gone_at or now
-            if now - self._gone_at < RECORD_WAIT_S:
-                return None
-            log.warning(
-                "worker pid %d ended and no exit status was recorded (is `flexrun spares` "
-                "gone?): reported as killed",
-                self.pid,
-            )
-            rc = -signal.SIGKILL
-        self.returncode = rc
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        return rc
-
-    def _read_record(self) -> int | None:
-        for own in (False, True):
-            path = exit_record(self.root, self.name, own=own)
-            try:
-                rc = int(json.loads(path.read_text())["returncode"])
-            except (FileNotFoundError, ValueError, KeyError, TypeError):
-                continue
-            for p in (
-                exit_record(self.root, self.name),
-                exit_record(self.root, self.name, own=True),
-            ):
-                p.unlink(missing_ok=True)
-            return rc
-        return None
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            rc = self.poll()
-            if rc is not None:
-                return rc
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            if self._fd is not None:
-                left = (
-                    0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-                )
-                select.select([self._fd], [], [], left)
-            else:
-                time.sleep(0.01)
-
-
-@dataclass(frozen=True)
-class Adopted:
-    worker: Worker
-    ready: Path
-
-
-def take_spares(root: Path, count: int) -> list[Adopted]:
-    """Up to ``count`` spares from the daemon serving ``root``; [] when none serves it.
-
-    Raises:
-        OSError: the daemon did not answer within ``TAKE_TIMEOUT_S`` (e.g. it is stopped)
-            or answered something unreadable.
-    """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(TAKE_TIMEOUT_S)
-    try:
-        try:
-            sock.connect(str(root / SOCKET_NAME))
-        except (FileNotFoundError, ConnectionRefusedError):
-            log.debug("no `flexrun spares` serves %s", root)
-            return []
-        req = {"op": "take", "count": count, "interpreter": interpreter()}
-        sock.sendall((json.dumps(req) + "\n").encode())
-        data, fds, _, _ = socket.recv_fds(sock, 65536, MAX_TAKE)
-        while not data.endswith(b"\n"):
-            more = sock.recv(65536)
-            if not more:
-                break
-            data += more
-    finally:
-        sock.close()
-    try:
-        reply = json.loads(data)
-        if "error" in reply:
-            for fd in fds:
-                os.close(fd)
-            log.warning("`flexrun spares` in %s: %s", root, reply["error"])
-            return []
-        spares = reply["spares"]
-        if len(spares) != len(fds):
-            raise ValueError(f"{len(spares)} spares but {len(fds)} channels")
-    except (ValueError, KeyError, TypeError) as exc:
-        for fd in fds:
-            os.close(fd)
-        raise OSError(f"unreadable reply from `flexrun spares` in {root}: {exc}") from exc
-    out = []
-    for s, fd in zip(spares, fds, strict=True):
-        proc = AdoptedProcess(int(s["pid"]), str(s["name"]), os.fdopen(fd, "wb"), root)
-        wdir = Path(s["log_dir"])
-        out.append(Adopted(Worker(-1, -1, proc, wdir, wdir / "error.json"), Path(s["ready"])))
-    return out
-
-
-def query_status(root: Path) -> dict[str, object]:
-    """The daemon's counts (ready, booting, handed_out).
-
-    Raises:
-        ConfigError: no daemon serves ``root``.
-    """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5.0)
-    try:
-        try:
-            sock.connect(str(root / SOCKET_NAME))
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise ConfigError(f"no `flexrun spares` serves {root}") from exc
-        sock.sendall(b'{"op": "status"}\n')
-        reply: dict[str, object] = json.loads(_read_line(sock))
-        return reply
-    finally:
-        sock.close()
-
-
 # -- small helpers ------------------------------------------------------------------------------
-def _read_line(conn: socket.socket, limit: int = 65536) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > limit:
-            raise ValueError("request too long")
-    return data
-
-
-def _send(conn: socket.socket, obj: Mapping[str, object]) -> None:
-    conn.sendall((json.dumps(dict(obj)) + "\n").encode())
-
-
 def _close_files(w: Worker) -> None:
     for f in w.files:
         f.close()

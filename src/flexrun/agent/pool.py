@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from flexrun.agent.nodepool import AdoptedProcess, exit_record, take_spares
+from flexrun.agent.adopt import AdoptedProcess, exit_record, take_spares
 from flexrun.agent.workers import Worker, spawn_worker
 from flexrun.config import RunConfig
 

@@ -13,19 +13,17 @@ survives the daemon.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import runpy
-import select
 import signal
 import sys
-import threading
 
 import torch  # (the point of a spare: pay these imports before they are needed)
 import torch.distributed  # noqa: F401
 
 import flexrun.train.live  # noqa: F401
+from flexrun.agent.adopt import die_with, exit_code_of, record_exit
 
 
 def main() -> int:
@@ -51,7 +49,7 @@ def main() -> int:
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)  # the spare's own PYTHONPATH may have been another
     if task.get("agent_pid"):
-        _die_with(int(task["agent_pid"]))
+        die_with(int(task["agent_pid"]))
     threads = task["env"].get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         # torch sized its thread pool from the spare's environment at import.
@@ -68,54 +66,19 @@ def main() -> int:
             runpy.run_path(entry, run_name="__main__")
     except SystemExit as exc:
         if record:
-            _record(record, _exit_code(exc.code))
+            record_exit(record, exit_code_of(exc.code))
         raise
     except KeyboardInterrupt:
         if record:
-            _record(record, -signal.SIGINT)
+            record_exit(record, -signal.SIGINT)
         raise
     except BaseException:
         if record:
-            _record(record, 1)
+            record_exit(record, 1)
         raise
     if record:
-        _record(record, 0)
+        record_exit(record, 0)
     return 0
-
-
-def _exit_code(code: object) -> int:
-    """The status ``sys.exit(code)`` ends the process with."""
-    if code is None:
-        return 0
-    return code if isinstance(code, int) else 1
-
-
-def _record(path: str, returncode: int) -> None:
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as fh:
-            json.dump({"pid": os.getpid(), "returncode": returncode}, fh)
-        os.replace(tmp, path)
-    except OSError as exc:  # (a full disk must not change how the script ended)
-        print(f"flexrun spare: exit code {returncode} not recorded: {exc}", file=sys.stderr)
-
-
-def _die_with(agent_pid: int) -> None:
-    """Die (with everything in this session) when ``agent_pid`` exits, not when the daemon
-    that started this spare does: the agent that took it owns it now."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none (it named the daemon)
-    try:
-        fd = os.pidfd_open(agent_pid)
-    except ProcessLookupError:
-        os.killpg(0, signal.SIGKILL)  # the agent is already gone
-        return
-
-    def watch() -> None:
-        select.select([fd], [], [])
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="flexrun-agent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

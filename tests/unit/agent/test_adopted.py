@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flexrun.agent.nodepool import RECORD_WAIT_S, AdoptedProcess, exit_record
+from flexrun.agent.adopt import RECORD_WAIT_S, AdoptedProcess, exit_record
 
 
 def _adopt(tmp_path: Path, code: str) -> tuple[subprocess.Popen[bytes], AdoptedProcess]:
