@@ -4,7 +4,8 @@ Owns which state is saved (registered stateful objects, per-rank RNG states, use
 extras), when the training loop may continue (after the host copy; persisting runs on a
 background thread, at most one in flight), how errors reach the caller (a save the storage
 refuses, e.g. a full disk, is reported and training goes on until ``max_failed_saves`` in
-a row have failed; any other error, and that limit, raise on every rank at the next
+a row have failed over at least ``failed_saves_grace_s``; any other error, and that limit,
+raise on every rank at the next
 ``save()``, never silently), which checkpoint is loaded (the newest that verifies, with a
 fallback event for each one skipped), and the checkpoint events. The layout and commit
 protocol live in ``flexrun.train.commit``; file operations in ``flexrun.train.storage``.
@@ -123,6 +124,7 @@ class Checkpointer:
         persist_when_idle: bool = True,
         save_rng: bool = True,
         max_failed_saves: int = 3,
+        failed_saves_grace_s: float = 60.0,
         events: EventLog | None = None,
         storage: Storage | None = None,
         clock: Clock = SYSTEM_CLOCK,
@@ -164,9 +166,15 @@ class Checkpointer:
                 ``EROFS``) leaves nothing behind, keeps the previous checkpoints, emits
                 ``checkpoint_save_failed`` (step, reason, consecutive count) and lets
                 training go on; the next scheduled save tries again. When this many saves
-                in a row have failed, the last failure raises (on every rank, at the next
-                ``save()`` for a background save), so a job never trains for hours with
-                nothing durable. 1: every failed save raises.
+                in a row have failed, and the first of them is at least
+                ``failed_saves_grace_s`` old, the last failure raises (on every rank, at the
+                next ``save()`` for a background save), so a job never trains for hours
+                with nothing durable. 1 (with a grace of 0): every failed save raises.
+            failed_saves_grace_s: the shortest run of failed saves that raises. A restart
+                frees no disk space and throws away the steps since the last checkpoint,
+                so a disk that is full for a few seconds must not end the run just because
+                checkpoints are frequent (with saves every 0.5 s, three failures took 1.6 s
+                in the chaos runs; bench/results/chaos.txt). 0: count only.
             events: event log; by default one in ``ctx.run_dir`` when that is set.
             storage: file operations (default: chosen from ``directory``); tests inject faults.
             clock: time source for stall/persist durations.
@@ -180,6 +188,8 @@ class Checkpointer:
         """
         if max_failed_saves < 1:
             raise CheckpointError(f"max_failed_saves must be >= 1, got {max_failed_saves}")
+        if failed_saves_grace_s < 0:
+            raise CheckpointError(f"failed_saves_grace_s must be >= 0, got {failed_saves_grace_s}")
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -215,7 +225,9 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._closed = False
         self._max_failed = max_failed_saves
+        self._failed_grace_s = failed_saves_grace_s
         self._failed = 0
+        self._failing_since = 0.0
         self._fence_claimed = False
         if events is None and self._ctx.run_dir is not None:
             events = EventLog(self._ctx.run_dir, run_id=self._ctx.run_id, node=self._ctx.node)
@@ -496,9 +508,14 @@ class Checkpointer:
         )
 
     def _storage_failed(self, step: int, exc: StorageFailure) -> None:
-        """Report a save the storage refused; raise once ``max_failed_saves`` in a row did."""
+        """Report a save the storage refused; raise once ``max_failed_saves`` in a row did,
+        over at least ``failed_saves_grace_s``."""
+        now = self._clock.monotonic()
+        if self._failed == 0:
+            self._failing_since = now
         self._failed += 1
-        fatal = self._failed >= self._max_failed
+        failing_s = now - self._failing_since
+        fatal = self._failed >= self._max_failed and failing_s >= self._failed_grace_s
         self._emit(
             "checkpoint_save_failed",
             step=step,
@@ -506,20 +523,25 @@ class Checkpointer:
             error=str(exc),
             consecutive=self._failed,
             max_failed_saves=self._max_failed,
+            failing_s=round(failing_s, 3),
             fatal=fatal,
         )
         if fatal:
             raise CheckpointError(
-                f"{self._failed} checkpoint saves in a row failed (max_failed_saves="
-                f"{self._max_failed}), the last at step {step}: {exc}"
+                f"{self._failed} checkpoint saves in a row failed over {failing_s:.0f} s "
+                f"(max_failed_saves={self._max_failed}, failed_saves_grace_s="
+                f"{self._failed_grace_s:g}), the last at step {step}: {exc}"
             ) from exc
         log.warning(
-            "checkpoint save at step %d failed (%s, %d in a row, limit %d); training goes on, "
-            "the previous checkpoints are intact and the next save tries again: %s",
+            "checkpoint save at step %d failed (%s, %d in a row over %.0f s, limit %d over %g s); "
+            "training goes on, the previous checkpoints are intact and the next save tries "
+            "again: %s",
             step,
             exc.reason,
             self._failed,
+            failing_s,
             self._max_failed,
+            self._failed_grace_s,
             exc,
         )
 

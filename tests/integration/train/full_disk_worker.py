@@ -24,7 +24,12 @@ def main() -> int:
     ckpt_dir, flag, max_failed, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     ctx = ft.init(timeout_s=60)
     model = torch.nn.Linear(8, 8)
-    ckpt = ft.Checkpointer(ckpt_dir, storage=EnospcStorage(flag), max_failed_saves=max_failed)
+    ckpt = ft.Checkpointer(
+        ckpt_dir,
+        storage=EnospcStorage(flag),
+        max_failed_saves=max_failed,
+        failed_saves_grace_s=0,
+    )
     ckpt.register("model", model)
     step = 0
     try:

@@ -88,7 +88,12 @@ def test_full_disk_keeps_previous_checkpoint_and_reports_the_error(small_tmpfs: 
     state = _Growing(100_000)  # 400 kB fits in 2 MB
     # max_failed_saves=1: the first failed save raises (by default training would go on
     # for two more; test_train_checkpoint_storage_failures.py covers that).
-    c = Checkpointer(str(small_tmpfs / "ck"), ctx=single_process_context(), max_failed_saves=1)
+    c = Checkpointer(
+        str(small_tmpfs / "ck"),
+        ctx=single_process_context(),
+        max_failed_saves=1,
+        failed_saves_grace_s=0,
+    )
     c.register("state", state)
     c.save(1)
     c.wait()

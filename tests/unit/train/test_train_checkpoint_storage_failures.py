@@ -21,6 +21,7 @@ import torch
 
 from flexrun.errors import CheckpointError
 from flexrun.observe.events import read_events
+from flexrun.testing.clock import FakeClock
 from flexrun.train import Checkpointer
 from flexrun.train.commit import commit_checkpoint, verify_checkpoint
 from flexrun.train.context import single_process_context
@@ -192,7 +193,7 @@ def test_max_failed_saves_in_a_row_raise_and_a_committed_save_resets_the_count(
 ) -> None:
     m, _ = _model()
     run = tmp_path / "run"
-    c = disk.checkpointer(disk.root / "ck", run, max_failed_saves=2)
+    c = disk.checkpointer(disk.root / "ck", run, max_failed_saves=2, failed_saves_grace_s=0)
     c.register("model", m)
     disk.fill()
     c.save(1)
@@ -223,7 +224,9 @@ def test_a_foreground_save_raises_at_once_when_it_reaches_the_limit(
     disk: Disk, tmp_path: Path
 ) -> None:
     m, _ = _model()
-    c = disk.checkpointer(disk.root / "ck", tmp_path / "run", max_failed_saves=1)
+    c = disk.checkpointer(
+        disk.root / "ck", tmp_path / "run", max_failed_saves=1, failed_saves_grace_s=0
+    )
     c.register("model", m)
     disk.fill()
     with pytest.raises(CheckpointError, match="No space left on device"):
@@ -354,3 +357,34 @@ def test_a_failed_re_save_of_a_step_puts_the_previous_one_back(tmp_path: Path) -
     _, blobs = verify_checkpoint(storage, root, 5)
     assert blobs == {"a.pt": b"first"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_5"]
+
+
+@pytest.mark.timeout(60)
+def test_failed_saves_raise_only_once_they_span_the_grace(disk: Disk, tmp_path: Path) -> None:
+    """Frequent checkpoints on a disk full for seconds: the count alone would end the run."""
+    m, _ = _model()
+    run = tmp_path / "run"
+    clock = FakeClock()
+    c = disk.checkpointer(
+        disk.root / "ck", run, max_failed_saves=3, failed_saves_grace_s=60.0, clock=clock
+    )
+    c.register("model", m)
+    c.save(1, blocking=True)
+    disk.fill()
+    for step in (2, 3, 4, 5):  # four failures in 30 s: past the count, inside the grace
+        c.save(step, blocking=True)
+        clock.advance(10.0)
+    assert c.failed_saves == 4
+    clock.advance(30.0)  # the streak is now 70 s old
+    with pytest.raises(CheckpointError, match=r"5 checkpoint saves in a row failed over 70 s"):
+        c.save(6, blocking=True)
+    assert [(e["step"], e["failing_s"], e["fatal"]) for e in _failures(run)] == [
+        (2, 0.0, False),
+        (3, 10.0, False),
+        (4, 20.0, False),
+        (5, 30.0, False),
+        (6, 70.0, True),
+    ]
+    disk.free()
+    assert c.steps() == [1]  # nothing saved before was lost
+    c.close()
