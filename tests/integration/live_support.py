@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from support import Procs, read_events, read_progress, wait_for
+from support import Procs, endless, read_events, read_progress, wait_for
 
 LIVE_STEPS = Path(__file__).parent / "scripts" / "live_steps.py"
 HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
@@ -87,13 +87,7 @@ def start_live_node(  # type: ignore[no-untyped-def]
             "--run-dir",
             str(procs.tmp / f"run-{name}"),
             *extra,
-            str(LIVE_STEPS),
-            "--steps",
-            "100000",
-            "--step-time",
-            "0.05",
-            "--progress",
-            str(progress),
+            *endless(LIVE_STEPS, progress),
         ],
         name=name,
     )

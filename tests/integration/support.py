@@ -224,6 +224,11 @@ HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_time
 """Fast keep-alives and short windows for multi-agent tests (``--rdzv-conf``)."""
 
 
+def endless(script: Path, progress: Path) -> list[str]:
+    """A training script's arguments to run until stopped (0.05 s steps), logging progress."""
+    return [str(script), "--steps", "100000", "--step-time", "0.05", "--progress", str(progress)]
+
+
 def node_args(
     endpoint: str,
     name: str,

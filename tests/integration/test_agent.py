@@ -9,7 +9,16 @@ import time
 
 import psutil
 import pytest
-from support import DDP_STEPS, Procs, alive_pids, descendants, read_events, read_progress, wait_for
+from support import (
+    DDP_STEPS,
+    Procs,
+    alive_pids,
+    descendants,
+    endless,
+    read_events,
+    read_progress,
+    wait_for,
+)
 
 
 def _worker_pids(agent_pid: int, n: int, timeout: float = 60) -> list[int]:
@@ -158,13 +167,7 @@ def test_sigterm_to_agent_forwards_to_workers_and_exits_143_leaving_nothing(proc
             "10",
             "--run-dir",
             str(procs.tmp / "run"),
-            str(DDP_STEPS),
-            "--steps",
-            "100000",
-            "--step-time",
-            "0.05",
-            "--progress",
-            str(progress),
+            *endless(DDP_STEPS, progress),
             "--on-sigterm",
             str(marker),
         ],
