@@ -227,12 +227,21 @@ def exit_code_of(code: object) -> int:
     return code if isinstance(code, int) else 1
 
 
+def write_record(path: Path, data: Mapping[str, object]) -> None:
+    """Write an exit record atomically (a reader sees all of it or nothing).
+
+    Raises:
+        OSError: the write failed (e.g. a full disk).
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(data)))
+    os.replace(tmp, path)
+
+
 def record_exit(path: str, returncode: int) -> None:
-    tmp = f"{path}.tmp"
+    """This process's own exit record (best effort)."""
     try:
-        with open(tmp, "w") as fh:
-            json.dump({"pid": os.getpid(), "returncode": returncode}, fh)
-        os.replace(tmp, path)
+        write_record(Path(path), {"pid": os.getpid(), "returncode": returncode})
     except OSError as exc:  # (a full disk must not change how the script ended)
         print(f"flexrun: exit code {returncode} not recorded: {exc}", file=sys.stderr)
 

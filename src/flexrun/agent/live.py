@@ -33,6 +33,7 @@ from flexrun.agent.workers import (
     WorkerResult,
     _Tee,
     describe_failure,
+    reap,
     spawn_worker,
     start_tees,
 )
@@ -202,17 +203,6 @@ class LiveSupervisor:
         )
         log.info("slot %d: a warm spare takes over as %s", slot, wid)
 
-    def _reap(self, lw: LiveWorker) -> None:
-        p = lw.worker.proc
-        if p.poll() is None:
-            for sig in (signal.SIGKILL,):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, sig)
-        p.wait()
-        for f in lw.worker.files:
-            f.close()
-        lw.worker.files.clear()
-
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, rnd: RoundRecord) -> None:
         """Start this node's workers (once per job, or after a stop)."""
@@ -246,7 +236,7 @@ class LiveSupervisor:
         for lw in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 lw.worker.proc.wait(timeout=max(0.001, deadline - time.monotonic()))
-            self._reap(lw)
+            reap(lw.worker)
         self._tee_done.set()
         for lw in procs:
             for t in lw.tees:
@@ -299,7 +289,7 @@ class LiveSupervisor:
                 continue
             cause = describe_failure(lw.worker, result)
             cause.update(node=self.node, worker_id=lw.worker_id)
-            self._reap(lw)
+            reap(lw.worker)
             del self.slots[slot]
             self._count_failure(cause)
             dead.append(slot)

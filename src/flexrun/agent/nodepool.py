@@ -47,8 +47,9 @@ from flexrun.agent.adopt import (
     process_gone,
     read_line,
     send_json,
+    write_record,
 )
-from flexrun.agent.workers import Worker, spawn_worker
+from flexrun.agent.workers import Worker, log_tail, reap, spawn_worker
 from flexrun.errors import ConfigError
 
 log = logging.getLogger("flexrun.spares")
@@ -57,12 +58,6 @@ log = logging.getLogger("flexrun.spares")
 BOOT_RETRY_S = (1.0, 60.0)
 # Exit records older than this are removed (their agent never read them).
 RECORD_TTL_S = 3600.0
-
-
-def _write_json(path: Path, data: Mapping[str, object]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(data)))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -75,9 +70,9 @@ class _Spare:
     """``worker`` (flexrun.train.spare) or ``agent`` (flexrun.agent.warm_agent)."""
     socket: Path | None = None
     """An agent's own socket, where the ``flexrun run`` client hands itself over."""
-    agent_pid: int = 0
-    """Who took it: the agent (a worker spare), or the ``flexrun run`` client (an agent)."""
     agent_fd: int | None = None
+    """pidfd of who took it: the agent (a worker spare), or the ``flexrun run`` client (an
+    agent)."""
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
@@ -168,9 +163,9 @@ class SparesDaemon:
                     s.name,
                     rc,
                     delay,
-                    _tail(s.worker.log_dir / "stderr.log"),
+                    log_tail(s.worker.log_dir / "stderr.log", 400).strip() or "(empty)",
                 )
-                _close_files(s.worker)
+                s.worker.close_files()
                 if self._last_failed is not None:  # keep the latest failure's logs only
                     shutil.rmtree(self._last_failed, ignore_errors=True)
                 self._last_failed = s.worker.log_dir
@@ -180,7 +175,7 @@ class SparesDaemon:
             rc = s.proc.poll()
             if rc is not None:
                 try:
-                    _write_json(
+                    write_record(
                         exit_record(self.root, s.name),
                         {"pid": s.proc.pid, "returncode": rc, "ended_at": time.time()},
                     )
@@ -226,7 +221,7 @@ class SparesDaemon:
         s.ready.unlink(missing_ok=True)
         if s.agent_fd is not None:
             os.close(s.agent_fd)
-        _close_files(s.worker)
+        s.worker.close_files()
         # Its output moved to its rank's log directory when it was assigned.
         shutil.rmtree(s.worker.log_dir, ignore_errors=True)
 
@@ -262,15 +257,8 @@ class SparesDaemon:
         if op == "status":
             send_json(conn, self.status())
             return
-        if op == "take_agent":
-            self._take_agent(conn, pid, req)
-            return
-        if op != "take":
+        if op not in ("take", "take_agent"):
             send_json(conn, {"error": f"unknown op {op!r}"})
-            return
-        count = req.get("count")
-        if not isinstance(count, int) or not 1 <= count <= MAX_TAKE:
-            send_json(conn, {"error": f"count {count!r}: must be 1-{MAX_TAKE}"})
             return
         if req.get("interpreter") != interpreter():
             send_json(
@@ -280,6 +268,13 @@ class SparesDaemon:
                     f"the agent runs {req.get('interpreter')}: not taken"
                 },
             )
+            return
+        if op == "take_agent":
+            self._take_agent(conn, pid)
+            return
+        count = req.get("count")
+        if not isinstance(count, int) or not 1 <= count <= MAX_TAKE:
+            send_json(conn, {"error": f"count {count!r}: must be 1-{MAX_TAKE}"})
             return
         # Ready ones first; a booting one is still sooner than a process started now.
         workers = [s for s in self.idle if s.kind == "worker"]
@@ -303,32 +298,30 @@ class SparesDaemon:
         sent = socket.send_fds(conn, [data], fds) if fds else conn.send(data)
         # The channels went with the first byte: from here on the agent holds them.
         for s in chosen:
-            self.idle.remove(s)
             assert s.proc.stdin is not None
             s.proc.stdin.close()  # the agent holds the only write end now
-            s.agent_pid, s.agent_fd = pid, pidfd(pid)
-            self.given.append(s)
+            self._hand_over(s, pid)
         if chosen:
             log.info("handed %d spare(s) to pid %d", len(chosen), pid)
-            self._refill_at = max(self._refill_at, time.monotonic() + self.refill_delay_s)
         if sent < len(data):
             conn.sendall(data[sent:])
 
-    def _take_agent(self, conn: socket.socket, pid: int, req: Mapping[str, object]) -> None:
-        if req.get("interpreter") != interpreter():
-            send_json(conn, {"error": f"these agents run {interpreter()}: not taken"})
-            return
+    def _take_agent(self, conn: socket.socket, pid: int) -> None:
         ready = [s for s in self.idle if s.kind == "agent" and s.ready.exists()]
         if not ready:
             send_json(conn, {"pid": 0})
             return
         s = ready[0]
         send_json(conn, {"pid": s.proc.pid, "name": s.name, "socket": str(s.socket)})
-        self.idle.remove(s)
         s.ready.unlink(missing_ok=True)  # (the flag means "idle and ready")
-        s.agent_pid, s.agent_fd = pid, pidfd(pid)
-        self.given.append(s)
+        self._hand_over(s, pid)
         log.info("handed agent %s to `flexrun run` pid %d", s.name, pid)
+
+    def _hand_over(self, s: _Spare, pid: int) -> None:
+        """``s`` now belongs to process ``pid``; new idle ones start after the refill delay."""
+        self.idle.remove(s)
+        s.agent_fd = pidfd(pid)
+        self.given.append(s)
         self._refill_at = max(self._refill_at, time.monotonic() + self.refill_delay_s)
 
     def status(self) -> dict[str, object]:
@@ -347,10 +340,7 @@ class SparesDaemon:
         with contextlib.suppress(FileNotFoundError):
             (self.root / SOCKET_NAME).unlink()
         for s in self.idle:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            s.proc.wait()
-            _close_files(s.worker)
+            reap(s.worker)
             s.ready.unlink(missing_ok=True)
             if s.socket is not None:
                 s.socket.unlink(missing_ok=True)
@@ -360,17 +350,3 @@ class SparesDaemon:
             if s.agent_fd is not None:
                 os.close(s.agent_fd)
         self.given = []
-
-
-# -- small helpers ------------------------------------------------------------------------------
-def _close_files(w: Worker) -> None:
-    for f in w.files:
-        f.close()
-    w.files.clear()
-
-
-def _tail(path: Path, limit: int = 400) -> str:
-    try:
-        return path.read_text(errors="replace")[-limit:].strip() or "(empty)"
-    except OSError:
-        return "(none)"

@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flexrun.agent.adopt import AdoptedProcess, exit_record, take_spares
-from flexrun.agent.workers import Worker, spawn_worker
+from flexrun.agent.workers import Worker, reap, spawn_worker
 from flexrun.config import RunConfig
 
 log = logging.getLogger("flexrun.agent")
@@ -55,7 +54,7 @@ class WarmPool:
             if w.proc.poll() is None:
                 alive.append((w, ready))
             else:
-                _reap(w)
+                reap(w)
         self.spares = alive
         target = self.size if count is None else count
         if self.node is not None and len(self.spares) < target:
@@ -105,12 +104,12 @@ class WarmPool:
         """Stop spares beyond the pool size (a node's first workers that were not needed)."""
         while len(self.spares) > self.size:
             w, ready = self.spares.pop()
-            _reap(w)
+            reap(w)
             ready.unlink(missing_ok=True)
 
     def close(self) -> None:
         for w, _ in self.spares:
-            _reap(w)
+            reap(w)
         self.spares = []
 
 
@@ -151,16 +150,6 @@ def assign(
     w.proc.stdin.close()
     w.rank, w.local_rank = rank, local_rank
     return w
-
-
-def _reap(w: Worker) -> None:
-    if w.proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(w.proc.pid, signal.SIGKILL)
-    w.proc.wait()
-    for f in w.files:
-        f.close()
-    w.files.clear()
 
 
 def live_pool(config: RunConfig) -> WarmPool | None:

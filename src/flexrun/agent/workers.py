@@ -91,6 +91,21 @@ class Worker:
     note: str = ""
     """Why the agent ended this worker itself (e.g. a hang), for the root cause."""
 
+    def close_files(self) -> None:
+        """Close the agent's handles on the worker's log files."""
+        for f in self.files:
+            f.close()
+        self.files.clear()
+
+
+def reap(w: Worker) -> None:
+    """SIGKILL ``w``'s session if it still runs, wait for it, close its files."""
+    if w.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(w.proc.pid, signal.SIGKILL)
+    w.proc.wait()
+    w.close_files()
+
 
 def build_command(
     entrypoint: str, args: Sequence[str], *, module: bool, no_python: bool
@@ -334,9 +349,7 @@ class WorkerGroup:
         for t in self._tees:
             t.join(timeout=2)
         for w in self.workers:
-            for f in w.files:
-                f.close()
-            w.files.clear()
+            w.close_files()
 
     def first_failure(self, failed: Sequence[WorkerResult]) -> WorkerResult:
         """The failure that caused the others: earliest, preferring non-consequential ones.
@@ -372,13 +385,13 @@ def describe_failure(w: Worker, result: WorkerResult) -> dict[str, Any]:
     }
     if w.note:
         cause["message"] = w.note
-        cause["traceback"] = _tail(w.log_dir / "stderr.log")
+        cause["traceback"] = log_tail(w.log_dir / "stderr.log")
         return cause
     parsed = read_error_file(w.error_file)
     if parsed is not None:
         cause.update(parsed)
         return cause
-    tail = _tail(w.log_dir / "stderr.log")
+    tail = log_tail(w.log_dir / "stderr.log")
     cause["traceback"] = tail
     cause["message"] = _last_exception_line(tail) or (
         f"killed by {result.signal_name}"
@@ -441,7 +454,8 @@ def read_error_file(path: Path) -> dict[str, str] | None:
     return None
 
 
-def _tail(path: Path, max_bytes: int = 8192) -> str:
+def log_tail(path: Path, max_bytes: int = 8192) -> str:
+    """The last ``max_bytes`` of a log file as text ("" when unreadable)."""
     try:
         with path.open("rb") as fh:
             fh.seek(0, os.SEEK_END)
