@@ -265,7 +265,7 @@ def child_main(
     logging.basicConfig(level=logging.ERROR)
     from flexrun.config import RendezvousSettings
     from flexrun.errors import StoreUnavailable
-    from flexrun.observe.events import EventLog
+    from flexrun.events import EventLog
     from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 
     n = cfg["n"]

@@ -26,9 +26,10 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
 from flexrun.agent.workers import Worker, WorkerGroup, WorkerResult, build_command, capture_stacks
+from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.errors import ConfigError, StoreUnavailable
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
 from flexrun.store.api import Store
@@ -237,7 +238,8 @@ class ElasticAgent:
         elif isinstance(action, Exit):
             self._stop_workers(RESTART_GRACE_S, reason=action.reason)
             if action.code != 0:
-                _print_root_cause(action.root_cause, action.reason)
+                cause = action.root_cause.to_dict() if action.root_cause is not None else {}
+                _print_root_cause(cause, action.reason)
             return action.code
         else:
             interval = self.config.monitor_interval_s
@@ -476,7 +478,9 @@ class ElasticAgent:
                 cause["rank"],
             )
             return
-        rec = self.rdzv.report_failure(failed_round, cause)
+        rec = self.rdzv.report_failure(
+            failed_round, FailureCause.from_dict(cause) or FailureCause()
+        )
         self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
         what = f"rank {cause['rank']} failed ({_describe_cause(cause)})"
         if rec.state == FAILED:

@@ -11,7 +11,7 @@ from flexrun.agent.agent import ElasticAgent, restart_pool
 from flexrun.agent.pool import live_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import StoreUnavailable
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.store.api import Store
 from flexrun.store.factory import connect
 from flexrun.store.tcp import TcpStore

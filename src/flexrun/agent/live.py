@@ -37,9 +37,10 @@ from flexrun.agent.workers import (
     spawn_worker,
     start_tees,
 )
+from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
+from flexrun.events import EventLog
 from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
-from flexrun.observe.events import EventLog
 from flexrun.rendezvous import RendezvousHandler
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.store.api import Store
@@ -363,7 +364,7 @@ class LiveSupervisor:
             return  # several deaths under one epoch are one incident
         self._counted_epoch = epoch
         self.events.emit("failure", **cause)
-        self.rdzv.count_failure(cause)
+        self.rdzv.count_failure(FailureCause.from_dict(cause) or FailureCause())
 
     # -- membership epochs --------------------------------------------------------------------
     def publish(self) -> None:

@@ -31,7 +31,7 @@ from prometheus_client.exposition import start_http_server
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError
-from flexrun.observe.events import EVENTS_FILE
+from flexrun.events import EVENTS_FILE
 
 log = logging.getLogger("flexrun.observe")
 

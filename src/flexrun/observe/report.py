@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrun.errors import ConfigError
-from flexrun.observe.events import EVENTS_FILE, read_events
+from flexrun.events import EVENTS_FILE, read_events
 from flexrun.observe.metrics import failure_cause, restart_cause
 
 REPORT_FILE = "report.html"

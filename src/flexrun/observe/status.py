@@ -173,7 +173,7 @@ def read_status(
         master=master,
         members=tuple(members),
         waiting=tuple(waiting),
-        root_cause=dict(rnd.root_cause) if rnd is not None else {},
+        root_cause=rnd.root_cause.to_dict() if rnd is not None and rnd.root_cause else {},
         observed_s=round(observed, 3),
     )
 

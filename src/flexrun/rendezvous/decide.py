@@ -8,10 +8,11 @@ drive it with hand-made views and a fake ``now``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.rendezvous.state import (
     CLOSED,
@@ -72,7 +73,7 @@ class Stop:
 class Exit:
     code: int
     reason: str
-    root_cause: Mapping[str, Any] = field(default_factory=dict)
+    root_cause: FailureCause | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,22 +110,38 @@ def next_round(
     reason: str,
     *,
     failure: bool = False,
-    root_cause: Mapping[str, Any] | None = None,
+    root_cause: FailureCause | None = None,
     floor: int = 0,
 ) -> RoundRecord:
     """The round that follows ``current`` given who is alive (pure); numbered above both
     ``current`` and ``floor`` (the highest round the caller has seen)."""
     number = max(current.number if current is not None else 0, floor) + 1
     restarts = (current.restarts if current is not None else 0) + (1 if failure else 0)
-    cause = dict(root_cause or {})
+    cause = root_cause
     if failure and restarts > settings.max_restarts:
-        code = int(cause.get("exit_code") or 1)
-        return RoundRecord(number, FAILED, (), restarts, "restarts_exhausted", code, cause)
+        return _exhausted(number, restarts, cause)
     previous = current.member_ids if current is not None else []
     members = order_members(previous, alive, settings.max_nodes)
     if len(members) < settings.min_nodes:
         return RoundRecord(number, PENDING, (), restarts, reason, 0, cause)
     return RoundRecord(number, RUNNING, tuple(members), restarts, reason, 0, cause)
+
+
+def _exhausted(number: int, restarts: int, cause: FailureCause | None) -> RoundRecord:
+    code = (cause.exit_code if cause is not None else 1) or 1
+    return RoundRecord(number, FAILED, (), restarts, "restarts_exhausted", code, cause)
+
+
+def counted_failure(
+    current: RoundRecord, settings: RendezvousSettings, cause: FailureCause | None
+) -> RoundRecord:
+    """Live mode: ``current`` with one more failure counted against --max-restarts (the
+    members and the round number stay: survivors keep running), or the job's FAILED round
+    once restarts are spent; the same rule as :func:`next_round` with ``failure=True``."""
+    restarts = current.restarts + 1
+    if restarts > settings.max_restarts:
+        return _exhausted(current.number + 1, restarts, cause)
+    return dataclasses.replace(current, restarts=restarts, exit_code=0)
 
 
 def watches_membership(view: View) -> bool:

@@ -10,19 +10,19 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Mapping
-from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.errors import RendezvousTimeout, StoreError
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.rendezvous.decide import (
     Action,
     Propose,
     Run,
     View,
     Wait,
+    counted_failure,
     decide,
     next_round,
     watches_membership,
@@ -305,7 +305,7 @@ class RendezvousHandler:
             self.store.wait_for_change(self.keys.watched, rev, min(remaining, 1.0))
 
     # -- failure and completion --------------------------------------------------------------
-    def report_failure(self, failed_round: int, root_cause: Mapping[str, Any]) -> RoundRecord:
+    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
         """Start the next round after a worker failure (or end the job if restarts are spent)."""
         while True:
             rnd, alive, _ = self._read()
@@ -339,7 +339,7 @@ class RendezvousHandler:
         known = self._known_round
         return known if known is not None else RoundRecord(self._floor, PENDING, (), 0, "lost")
 
-    def count_failure(self, root_cause: Mapping[str, Any]) -> RoundRecord:
+    def count_failure(self, root_cause: FailureCause) -> RoundRecord:
         """Live mode: count a failure against --max-restarts without changing the round
         (survivors keep running); end the job if restarts are spent."""
         while True:
@@ -348,22 +348,7 @@ class RendezvousHandler:
                 return self._round_lost()
             if rnd.state != RUNNING:
                 return rnd
-            restarts = rnd.restarts + 1
-            if restarts > self.settings.max_restarts:
-                code = int(root_cause.get("exit_code") or 1)
-                rec = RoundRecord(
-                    rnd.number + 1,
-                    FAILED,
-                    (),
-                    restarts,
-                    "restarts_exhausted",
-                    code,
-                    dict(root_cause),
-                )
-            else:
-                rec = RoundRecord(
-                    rnd.number, RUNNING, rnd.members, restarts, rnd.reason, 0, rnd.root_cause
-                )
+            rec = counted_failure(rnd, self.settings, root_cause)
             ok, _ = self.store.compare_and_set(
                 self.keys.round, rec.encode(), expected_revision=self._round_rev
             )

@@ -19,9 +19,10 @@ that joins): only one agent at a time watches the node records (see
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from flexrun.cause import FailureCause
 from flexrun.errors import RendezvousError
 
 SCHEMA_VERSION = 1
@@ -113,7 +114,7 @@ class RoundRecord:
     reason: str = ""
     """Why this round was formed: start, failure, node_lost, node_left, scale_up, ..."""
     exit_code: int = 0
-    root_cause: dict[str, Any] = field(default_factory=dict)
+    root_cause: FailureCause | None = None
 
     @property
     def member_ids(self) -> list[str]:
@@ -138,7 +139,10 @@ class RoundRecord:
         raise RendezvousError(f"node {node_id} is not a member of round {self.number}")
 
     def encode(self) -> bytes:
-        return _dump(self)
+        data = asdict(self)
+        data["root_cause"] = data["root_cause"] or {}  # (asdict made the cause a dict)
+        data["v"] = SCHEMA_VERSION
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> RoundRecord:
@@ -152,7 +156,7 @@ class RoundRecord:
             restarts=int(d.get("restarts", 0)),
             reason=str(d.get("reason", "")),
             exit_code=int(d.get("exit_code", 0)),
-            root_cause=dict(d.get("root_cause") or {}),
+            root_cause=FailureCause.from_dict(d.get("root_cause")),
         )
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.train.commit import (
     FaultHook,
     Manifest,

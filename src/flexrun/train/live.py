@@ -65,8 +65,8 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from flexrun.errors import CheckpointError, ConfigError
+from flexrun.events import EventLog
 from flexrun.live_protocol import STATE_MARK, EpochRecord, live_keys
-from flexrun.observe.events import EventLog
 from flexrun.train.live_group import EpochGroup, LiveAborted, LiveEnv, TrainingFinished
 from flexrun.train.live_plan import plan_recovery
 from flexrun.train.live_sync import broadcast_state, state_checksum

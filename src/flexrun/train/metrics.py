@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.train.context import TrainContext, current
 from flexrun.train.env import read_env
 

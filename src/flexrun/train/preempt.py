@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.train.context import TrainContext, current, single_process_context
 
 EXIT_CODE = 128 + int(signal.SIGTERM)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.train.checkpoint import Loaded, Stateful, load_weights_only
 from flexrun.train.commit import (
     check_fence,

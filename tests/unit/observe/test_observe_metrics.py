@@ -10,7 +10,7 @@ import pytest
 from support import scrape_metrics
 
 from flexrun.errors import ConfigError
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics, serve_run_metrics
 from flexrun.testing import FakeClock
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.rendezvous.decide import (
     Exit,
@@ -147,14 +148,21 @@ def test_too_few_survivors_make_a_pending_round_and_members_stop() -> None:
 
 def test_failures_count_restarts_and_fail_the_job_when_exhausted() -> None:
     r1 = rnd(1, "a")
-    r2 = next_round(r1, alive("a"), S, "failure", failure=True, root_cause={"exit_code": 3})
+    r2 = next_round(
+        r1, alive("a"), S, "failure", failure=True, root_cause=FailureCause(exit_code=3)
+    )
     assert r2.state == RUNNING and r2.restarts == 1
     r3 = next_round(
-        r2, alive("a"), S, "failure", failure=True, root_cause={"exit_code": 3, "rank": 1}
+        r2, alive("a"), S, "failure", failure=True, root_cause=FailureCause(exit_code=3, rank=1)
     )
     assert r3.state == FAILED and r3.exit_code == 3
     act = decide(view("a", r3, alive("a"), FakeClock(), 0, running=None), S)
-    assert isinstance(act, Exit) and act.code == 3 and act.root_cause["rank"] == 1
+    assert (
+        isinstance(act, Exit)
+        and act.code == 3
+        and act.root_cause is not None
+        and act.root_cause.rank == 1
+    )
 
 
 def test_membership_changes_do_not_count_as_restarts() -> None:
@@ -171,7 +179,13 @@ def test_a_closed_job_lets_running_workers_finish_and_others_exit() -> None:
 
 def test_records_round_trip_through_json() -> None:
     r = RoundRecord(
-        3, RUNNING, (Member("a", "h", 2), Member("b", "h", 1)), 1, "failure", 0, {"rank": 1}
+        3,
+        RUNNING,
+        (Member("a", "h", 2), Member("b", "h", 1)),
+        1,
+        "failure",
+        0,
+        FailureCause(rank=1),
     )
     assert RoundRecord.decode(r.encode()) == r
     assert r.world_size() == 3 and r.rank_base("b") == 2 and r.group_rank("b") == 1

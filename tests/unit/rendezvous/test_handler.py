@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run, Wait
 from flexrun.rendezvous.state import Keys, RoundRecord
 from flexrun.store.api import Store
@@ -228,9 +229,9 @@ def test_a_failure_reported_after_a_store_restart_lost_the_round_is_not_a_crash(
     assert isinstance(act, Run) and act.round.number == 1
     a.step(None)
     _wipe(store)
-    rec = a.report_failure(1, {"rank": 0, "exit_code": 1})
+    rec = a.report_failure(1, FailureCause(rank=0, exit_code=1))
     assert rec.number >= 1
-    assert a.count_failure({"rank": 0, "exit_code": 1}).number >= 1
+    assert a.count_failure(FailureCause(rank=0, exit_code=1)).number >= 1
     for _ in range(10):
         for h in (a, b):
             h.step(None)

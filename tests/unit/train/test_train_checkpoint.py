@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flexrun.errors import CheckpointError
-from flexrun.observe.events import EventLog, read_events
+from flexrun.events import EventLog, read_events
 from flexrun.train import Checkpointer, FencedError
 from flexrun.train.commit import COMMIT_STAGES, select_retained
 from flexrun.train.context import single_process_context

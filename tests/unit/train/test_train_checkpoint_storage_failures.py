@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flexrun.errors import CheckpointError
-from flexrun.observe.events import read_events
+from flexrun.events import read_events
 from flexrun.testing.clock import FakeClock
 from flexrun.train import Checkpointer
 from flexrun.train.commit import commit_checkpoint, verify_checkpoint

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from flexrun.errors import ConfigError
-from flexrun.observe.events import read_events
+from flexrun.events import read_events
 from flexrun.testing import FakeClock
 from flexrun.train.context import single_process_context
 from flexrun.train.metrics import MetricsLogger, Window, _summary_writer_class

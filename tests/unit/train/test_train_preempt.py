@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flexrun.observe.events import read_events
+from flexrun.events import read_events
 from flexrun.train import PREEMPTED_EXIT_CODE, PreemptionGuard
 from flexrun.train.context import single_process_context
 

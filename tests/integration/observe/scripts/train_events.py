@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flexrun.observe.events import EventLog
+from flexrun.events import EventLog
 
 p = argparse.ArgumentParser()
 p.add_argument("--step-time", type=float, default=0.05)
