@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from flexrun import __version__
-from flexrun.agent.workers import Worker
 from flexrun.errors import ConfigError
+from flexrun.proc import Worker
 
 log = logging.getLogger("flexrun.spares")
 

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
-from flexrun.agent.workers import Worker, WorkerGroup, WorkerResult, build_command, capture_stacks
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
+from flexrun.proc import Worker, WorkerGroup, WorkerResult, build_command
+from flexrun.proc.diagnose import first_failure, in_collective, is_consequence
+from flexrun.proc.stacks import capture_stacks
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
 from flexrun.store.api import Store
@@ -96,7 +98,7 @@ class ElasticAgent:
         self._cold_workers = 0  # workers of the current round not taken from the warm pool
         self._outage_since: float | None = None
         self._outage_tries = 0
-        self._pending_failure: tuple[int, dict[str, Any], bool] | None = None
+        self._pending_failure: tuple[int, FailureCause, bool] | None = None
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
@@ -375,9 +377,9 @@ class ElasticAgent:
         if not silent:
             return
         alive = [w for w in self.group.workers if w.proc.poll() is None]
-        stacks = {w.rank: capture_stacks(w) for w in alive}
+        stacks = {w.rank: capture_stacks(w.proc.pid, w.log_dir / "stacks.txt") for w in alive}
         # Ranks waiting in a collective are victims of the one stuck elsewhere.
-        own = [r for r in silent if not _in_collective(stacks.get(r, ""))]
+        own = [r for r in silent if not in_collective(stacks.get(r, ""))]
         blamed = max(own or list(silent), key=lambda r: silent[r])
         w = next(x for x in alive if x.rank == blamed)
         hang_dir = self.config.run_dir / "hangs"
@@ -431,34 +433,37 @@ class ElasticAgent:
         assert self.group is not None and self.running is not None
         if self.config.hang_timeout_s > 0:
             self._detect_hangs()
-        results = self.group.poll()
+        group = self.group
+        results = group.poll()
         failed = [r for r in results if r.returncode != 0]
-        if failed and all(self.group.is_consequence(r) for r in failed):
+        causes = {r.rank: group.cause(r) for r in failed}
+        if failed and all(is_consequence(causes[r.rank]) for r in failed):
             # Only "peer closed the connection" so far: the peer whose error explains it
             # may still be tearing down (seen under load: a rank that raised took over a
             # second to exit). Give the others a moment to end by themselves, so that the
             # root cause names the real error rather than its echo.
             deadline = self.clock.monotonic() + CAUSE_WAIT_S
-            while not self.group.all_done() and self.clock.monotonic() < deadline:
+            while not group.all_done() and self.clock.monotonic() < deadline:
                 self.clock.sleep(0.05)
-                results = self.group.poll()
+                results = group.poll()
             failed = [r for r in results if r.returncode != 0]
+            causes = {r.rank: group.cause(r) for r in failed}
         if failed:
-            first = self.group.first_failure(failed)
-            cause = self.group.root_cause(first)
-            cause["node"] = self.me.node_id
-            cause["round"] = self.running
+            first = first_failure(
+                failed, lambda r: r.ended_at, lambda r: is_consequence(causes[r.rank])
+            )
+            cause = causes[first.rank].replace(node=self.me.node_id, round=self.running)
             for r in results:
                 self._emit_exit(r)
             failed_round = self.running
             peers = self.rdzv.round.members if self.rdzv.round is not None else ()
-            consequence = len(peers) > 1 and all(self.group.is_consequence(r) for r in failed)
+            consequence = len(peers) > 1 and all(is_consequence(causes[r.rank]) for r in failed)
             self._stop_workers(RESTART_GRACE_S, reason="worker failure", productive=False)
             self._pending_failure = (failed_round, cause, consequence)
             self._settle_failure(*self._pending_failure)
             self._pending_failure = None
             return None
-        if self.group.all_done():
+        if group.all_done():
             for r in results:
                 self._emit_exit(r)
             finished = self.running
@@ -470,19 +475,17 @@ class ElasticAgent:
             return 0
         return None
 
-    def _settle_failure(self, failed_round: int, cause: dict[str, Any], consequence: bool) -> None:
+    def _settle_failure(self, failed_round: int, cause: FailureCause, consequence: bool) -> None:
         """Count a local failure against --max-restarts, unless a peer's loss explains it."""
         if consequence and self._peer_moved_on(failed_round):
             log.info(
                 "rank %s lost a peer; following the new round (not counted as a failure)",
-                cause["rank"],
+                cause.rank,
             )
             return
-        rec = self.rdzv.report_failure(
-            failed_round, FailureCause.from_dict(cause) or FailureCause()
-        )
-        self.events.emit("failure", **{k: v for k, v in cause.items() if k != "round"})
-        what = f"rank {cause['rank']} failed ({_describe_cause(cause)})"
+        rec = self.rdzv.report_failure(failed_round, cause)
+        self.events.emit("failure", **{k: v for k, v in cause.to_dict().items() if k != "round"})
+        what = f"rank {cause.rank} failed ({cause.describe()})"
         if rec.state == FAILED:
             log.error(
                 "%s; restarts exhausted (%d allowed)", what, self.config.rendezvous.max_restarts
@@ -492,7 +495,7 @@ class ElasticAgent:
             log.warning(
                 "%s: %s; restarting (failure %d of at most %d)",
                 what,
-                cause.get("message") or "",
+                cause.message,
                 rec.restarts,
                 self.config.rendezvous.max_restarts,
             )
@@ -567,14 +570,6 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
 def _in_collective(stack: str) -> bool:
     return any(
         m in stack for m in ("distributed_c10d", "all_reduce", "barrier", "broadcast", "all_gather")
-    )
-
-
-def _describe_cause(cause: dict[str, Any]) -> str:
-    return (
-        f"killed by {cause['signal']}"
-        if cause.get("signal")
-        else f"exit code {cause.get('exit_code')}"
     )
 
 

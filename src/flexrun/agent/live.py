@@ -23,24 +23,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.pool import WarmPool, assign, live_pool
 from flexrun.agent.spec import worker_envs
-from flexrun.agent.workers import (
-    Worker,
-    WorkerResult,
-    _Tee,
-    describe_failure,
-    reap,
-    spawn_worker,
-    start_tees,
-)
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.events import EventLog
 from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
+from flexrun.proc import Tee, Worker, WorkerResult, read_cause, reap, spawn_worker, start_tees
 from flexrun.rendezvous import RendezvousHandler
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.store.api import Store
@@ -62,7 +53,7 @@ class LiveWorker:
     included: bool = False
     """Part of this node's published member list."""
     finished: bool = False
-    tees: list[_Tee] = field(default_factory=list)
+    tees: list[Tee] = field(default_factory=list)
 
 
 class LiveSupervisor:
@@ -155,7 +146,9 @@ class LiveSupervisor:
             self.command, self._env(slot, wid, hb), self._log_root / wid, rank=slot, local_rank=slot
         )
         lw = LiveWorker(wid, w, hb)
-        lw.tees = start_tees(w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done)
+        lw.tees = start_tees(
+            w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done, w.log_offsets
+        )
         self.events.emit(
             "worker_started", worker_id=wid, local_rank=slot, pid=w.proc.pid, spare=False
         )
@@ -191,7 +184,11 @@ class LiveSupervisor:
         )
         lw = LiveWorker(wid, spare, hb, included=include_now or not joining)
         lw.tees = start_tees(
-            spare.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done
+            spare.log_dir,
+            f"[{wid}]:",
+            self.config.console_streams,
+            self._tee_done,
+            spare.log_offsets,
         )
         self.slots[slot] = lw
         self.events.emit(
@@ -288,8 +285,7 @@ class LiveSupervisor:
             if rc == 0:
                 lw.finished = True
                 continue
-            cause = describe_failure(lw.worker, result)
-            cause.update(node=self.node, worker_id=lw.worker_id)
+            cause = read_cause(lw.worker, result).replace(node=self.node, worker_id=lw.worker_id)
             reap(lw.worker)
             del self.slots[slot]
             self._count_failure(cause)
@@ -351,20 +347,20 @@ class LiveSupervisor:
         for lw in self.slots.values():
             lw.included = True
 
-    def _count_failure(self, cause: dict[str, Any]) -> None:
+    def _count_failure(self, cause: FailureCause) -> None:
         entry = self.store.get(self._epoch_key)
         epoch = EpochRecord.decode(entry.value).number if entry is not None else 0
         log.warning(
             "worker %s failed (%s): %s; replacing it, survivors keep running",
-            cause.get("worker_id"),
-            cause.get("signal") or f"exit code {cause.get('exit_code')}",
-            cause.get("message") or "",
+            cause.worker_id,
+            cause.describe(),
+            cause.message,
         )
         if epoch == self._counted_epoch:
             return  # several deaths under one epoch are one incident
         self._counted_epoch = epoch
-        self.events.emit("failure", **cause)
-        self.rdzv.count_failure(FailureCause.from_dict(cause) or FailureCause())
+        self.events.emit("failure", **cause.to_dict())
+        self.rdzv.count_failure(cause)
 
     # -- membership epochs --------------------------------------------------------------------
     def publish(self) -> None:

@@ -49,8 +49,8 @@ from flexrun.agent.adopt import (
     send_json,
     write_record,
 )
-from flexrun.agent.workers import Worker, log_tail, reap, spawn_worker
 from flexrun.errors import ConfigError
+from flexrun.proc import Worker, log_tail, reap, spawn_worker
 
 log = logging.getLogger("flexrun.spares")
 

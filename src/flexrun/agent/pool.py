@@ -24,8 +24,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flexrun.agent.adopt import AdoptedProcess, exit_record, take_spares
-from flexrun.agent.workers import Worker, reap, spawn_worker
 from flexrun.config import RunConfig
+from flexrun.proc import Worker, reap, spawn_worker
+from flexrun.proc.spawn import file_size
 
 log = logging.getLogger("flexrun.agent")
 
@@ -135,6 +136,7 @@ def assign(
         w.error_file.unlink(missing_ok=True)
         for stream in ("stdout", "stderr"):
             path = log_dir / f"{stream}.log"
+            w.log_offsets[stream] = file_size(path)
             path.touch()  # the agent's tees open it at once; the spare appends
             task[stream] = str(path)
     env["TORCHELASTIC_ERROR_FILE"] = str(w.error_file)

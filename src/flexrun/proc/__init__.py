@@ -1,0 +1,36 @@
+"""Process mechanics, below everything that starts processes (agent, spares, pipeline).
+
+Owns spawning (own session, death with the parent via an exec shim, never
+``preexec_fn``), groups of workers (exit times, stopping, reaping), per-rank log files
+and their console tee, stack capture, and failure diagnosis (:mod:`.diagnose`, pure). It
+knows nothing of rounds, stores or recovery modes.
+"""
+
+from flexrun.proc.group import WorkerGroup, read_cause
+from flexrun.proc.logs import Tee, log_tail, start_tees
+from flexrun.proc.spawn import (
+    Process,
+    Worker,
+    WorkerResult,
+    build_command,
+    kill_session,
+    reap,
+    spawn,
+    spawn_worker,
+)
+
+__all__ = [
+    "Process",
+    "Tee",
+    "Worker",
+    "WorkerGroup",
+    "WorkerResult",
+    "build_command",
+    "kill_session",
+    "log_tail",
+    "read_cause",
+    "reap",
+    "spawn",
+    "spawn_worker",
+    "start_tees",
+]

@@ -1,0 +1,183 @@
+"""Starting and ending one process: command lines, die-with-parent, stopping and reaping.
+
+Owns the mechanics every process flexrun starts shares (workers, warm spares, the spares
+daemon's children): each runs in its own session (so a signal reaches its whole tree) and
+is killed by the kernel when the process that started it dies, even on ``kill -9``
+(``PR_SET_PDEATHSIG``, armed by an exec shim rather than ``preexec_fn``, which is unsafe
+in a threaded parent). It knows nothing of ranks' meaning, rounds or stores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+_SHIM = str(Path(__file__).with_name("_pdeathsig.py"))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResult:
+    """How one worker ended."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    returncode: int
+    """``Popen.returncode``: negative -N for signal N."""
+    ended_at: float
+    """Epoch seconds (when the exit was seen, as exactly as the platform allows)."""
+
+    @property
+    def exit_code(self) -> int:
+        """Shell-style code: 128+N for a signal."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+
+class Process(Protocol):
+    """What flexrun uses of a started process: a ``subprocess.Popen``, or a spare taken
+    from the node's ``flexrun spares`` (:class:`flexrun.spares.client.AdoptedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+@dataclass
+class Worker:
+    """One started process and the files the agent keeps for it."""
+
+    local_rank: int
+    rank: int
+    proc: Process
+    log_dir: Path
+    error_file: Path
+    result: WorkerResult | None = None
+    files: list[IO[bytes]] = field(default_factory=list)
+    note: str = ""
+    """Why the agent ended this worker itself (e.g. a hang), for the root cause."""
+    log_offsets: dict[str, int] = field(default_factory=dict)
+    """Size of each log file (``stdout``/``stderr``) when this attempt started: a reused
+    run directory appends, and only what this attempt wrote is its own."""
+
+    def close_files(self) -> None:
+        """Close the agent's handles on the worker's log files."""
+        for f in self.files:
+            f.close()
+        self.files.clear()
+
+
+def build_command(
+    entrypoint: str,
+    args: Sequence[str],
+    *,
+    module: bool,
+    no_python: bool,
+    python: str | None = None,
+) -> list[str]:
+    """The worker command line: ``python -u script args`` (``-m`` for a module), or the
+    executable itself with ``no_python``; ``python`` overrides the interpreter."""
+    if no_python:
+        return [entrypoint, *args]
+    exe = python or sys.executable
+    if module:
+        return [exe, "-u", "-m", entrypoint, *args]
+    return [exe, "-u", entrypoint, *args]
+
+
+def spawn(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    stdin: int | IO[bytes] | None = subprocess.DEVNULL,
+    stdout: int | IO[bytes] | None = None,
+    stderr: int | IO[bytes] | None = None,
+    cwd: str | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` in a session of its own that dies with this process.
+
+    Raises:
+        OSError: the process could not be started.
+    """
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", _SHIM, str(os.getpid()), *command],
+        env=dict(env),
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def spawn_worker(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    wdir: Path,
+    *,
+    rank: int,
+    local_rank: int,
+    stdin: int | None = subprocess.DEVNULL,
+) -> Worker:
+    """Start one worker logging to ``wdir/{stdout,stderr}.log`` (appended) with its
+    ``TORCHELASTIC_ERROR_FILE`` at ``wdir/error.json``.
+
+    Raises:
+        OSError: the log directory or the process could not be created.
+    """
+    wdir.mkdir(parents=True, exist_ok=True)
+    error_file = wdir / "error.json"
+    error_file.unlink(missing_ok=True)
+    offsets = {s: file_size(wdir / f"{s}.log") for s in ("stdout", "stderr")}
+    out = (wdir / "stdout.log").open("ab")
+    err = (wdir / "stderr.log").open("ab")
+    full = dict(env)
+    full["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    try:
+        proc = spawn(command, full, stdin=stdin, stdout=out, stderr=err)
+    except OSError:
+        out.close()
+        err.close()
+        raise
+    return Worker(local_rank, rank, proc, wdir, error_file, files=[out, err], log_offsets=offsets)
+
+
+def kill_session(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal the session (process group) led by ``pid``; gone already is not an error."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def reap(w: Worker) -> None:
+    """SIGKILL ``w``'s session if it still runs, wait for it, close its files."""
+    if w.proc.poll() is None:
+        kill_session(w.proc.pid)
+    w.proc.wait()
+    w.close_files()
