@@ -37,7 +37,7 @@ JSON line per step body) for live mode. Same ``--step-time``.
 Every process started is killed at the end of each trial (its process group, then any
 descendant seen during the trial, then any process whose command line names the trial's
 directory or that is a warm spare of its run directory, e.g. orphaned
-``flexrun.train.spare`` processes); every wait is bounded; ports come from the OS.
+``flexrun.spares.spare`` processes); every wait is bounded; ports come from the OS.
 
     python bench/bench_recovery.py --trials 5
 """
@@ -181,7 +181,7 @@ class Procs:
                 if proc.info["uids"].real != me:
                     continue
                 cl = " ".join(proc.info["cmdline"] or [])
-                spare = "flexrun.train.spare" in cl and proc.environ().get(
+                spare = "flexrun.spares.spare" in cl and proc.environ().get(
                     "FLEXRUN_SPARE_READY", ""
                 ).startswith(tag)
                 if tag in cl or spare:

@@ -23,7 +23,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.spec import worker_envs
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
@@ -34,6 +33,7 @@ from flexrun.proc.diagnose import first_failure, in_collective, is_consequence
 from flexrun.proc.stacks import capture_stacks
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
+from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
 
 if TYPE_CHECKING:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from flexrun.agent.agent import ElasticAgent, restart_pool
-from flexrun.agent.pool import live_pool
+from flexrun.agent.agent import ElasticAgent
+from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import StoreUnavailable
 from flexrun.events import EventLog

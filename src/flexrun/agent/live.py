@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.agent.pool import WarmPool, assign, live_pool
 from flexrun.agent.spec import worker_envs
+from flexrun.agent.warm import live_pool
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.events import EventLog
@@ -34,6 +34,7 @@ from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
 from flexrun.proc import Tee, Worker, WorkerResult, read_cause, reap, spawn_worker, start_tees
 from flexrun.rendezvous import RendezvousHandler
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
+from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
 
 log = logging.getLogger("flexrun.agent")
