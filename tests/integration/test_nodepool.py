@@ -176,7 +176,11 @@ def test_workers_outlive_the_daemon_and_keep_their_exit_codes(procs: Procs) -> N
 
 def _flexrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "flexrun", *args], capture_output=True, text=True, timeout=60, cwd=cwd
+        [sys.executable, "-m", "flexrun", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
     )
 
 
@@ -274,9 +278,15 @@ def test_a_squatted_pool_sock_is_refused_in_one_line_and_gets_nothing(
             os.chown(root, os.geteuid(), os.getegid())
             os.chmod(root, 0o700)
         res = _flexrun(
-            "run", "--standalone", "--spares-dir", str(root), "--run-dir",
-            str(procs.tmp / "run"), str(script), "--secret-arg",
-        )  # fmt: skip
+            "run",
+            "--standalone",
+            "--spares-dir",
+            str(root),
+            "--run-dir",
+            str(procs.tmp / "run"),
+            str(script),
+            "--secret-arg",
+        )
         stat = _flexrun("spares", "--dir", str(root), "--status")
         got = sq.received()
     needle = "is served by uid" if reclaim else "belongs to uid"

@@ -27,7 +27,7 @@ from flexrun.proc import Worker
 from flexrun.spares.adopted import AdoptedProcess
 from flexrun.spares.lifeline import relay_signals
 from flexrun.spares.protocol import (
-    MAX_LINE,
+    MAX_REPLY,
     MAX_TAKE,
     SOCKET_NAME,
     TAKE_TIMEOUT_S,
@@ -83,7 +83,7 @@ def take_spares(root: Path, count: int) -> list[Adopted]:
         return []
     with sock:
         sock.sendall(Request(op="take", count=count, interpreter=interpreter()).encode())
-        data, fds = recv_line_with_fds(sock, MAX_LINE, MAX_TAKE)
+        data, fds = recv_line_with_fds(sock, MAX_REPLY, MAX_TAKE)
     try:
         reply, error = parse_reply(data)
         if error is not None:
@@ -116,7 +116,7 @@ def _request(root: Path, req: Request) -> tuple[dict[str, Any], str | None] | No
         return None
     with sock:
         sock.sendall(req.encode())
-        return parse_reply(read_line(sock))
+        return parse_reply(read_line(sock, MAX_REPLY))
 
 
 def query_status(root: Path) -> dict[str, Any]:

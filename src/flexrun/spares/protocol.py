@@ -32,7 +32,9 @@ from flexrun.errors import SparesProtocolError
 SOCKET_NAME = "pool.sock"
 MAX_TAKE = 256
 MAX_LINE = 64 * 1024
-"""Longest request to, or reply from, the daemon (bytes, newline included)."""
+"""Longest request to the daemon (bytes, newline included)."""
+MAX_REPLY = 1024 * 1024
+"""Longest reply from the daemon (``MAX_TAKE`` offers with long paths fit)."""
 MAX_HANDOVER = 4 * 1024 * 1024
 """Longest hand-over of a ``flexrun run`` to a warm agent, or assignment of a spare: they
 carry a whole environment (Linux caps argv and environment together at 2 MiB)."""

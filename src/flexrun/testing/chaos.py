@@ -127,7 +127,7 @@ class JobSpec:
             "--final", str(final),
             "--step-sleep", str(self.step_sleep),
             "--enospc-flag", str(self.root / "enospc"),
-        ]  # fmt: skip
+        ]
         if self.launcher == "live":
             args.append("--live")
         return args + list(self.extra_args)
@@ -193,7 +193,7 @@ class ChaosJob:
                 "--nproc-per-node", str(self.spec.nodes * self.spec.nproc),
                 "--max-restarts", "1000", "--monitor-interval", "0.1",
                 str(WORKLOAD), *self.spec.workload_args(self.final),
-            ]  # fmt: skip
+            ]
             self.agents["torchrun"] = self._popen("torchrun", argv, env)
             self.expected_exit["torchrun"] = {0}
             return
@@ -239,7 +239,7 @@ class ChaosJob:
             "--node-id", name, "--run-dir", str(self.root / "runs" / name),
             "--mode", s.launcher, "--hang-timeout", str(s.hang_timeout_s),
             "--stop-grace", "5",
-        ]  # fmt: skip
+        ]
         if s.warm_spares is not None:
             argv += ["--warm-spares", str(s.warm_spares)]
         argv += [str(WORKLOAD), *s.workload_args(self.final)]
@@ -507,14 +507,14 @@ def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float 
             "-m", "flexrun", "run", "--standalone", "--nproc-per-node", str(world),
             "--mode", "live" if live else "restart", "--warm-spares", "0",
             "--run-dir", str(out.parent / "reference-run"),
-        ]  # fmt: skip
+        ]
     argv = [
         *launcher, str(WORKLOAD),
         "--steps", str(spec.steps), "--samples", str(spec.samples),
         "--global-batch", str(spec.global_batch), "--seed", str(spec.seed),
         "--log-dir", str(out.parent / "reference-steps"), "--final", str(out),
         *(["--live"] if live else []),
-    ]  # fmt: skip
+    ]
     done = subprocess.run(argv, env=_env(), timeout=timeout_s, capture_output=True, cwd=out.parent)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr).decode(errors="replace")[-1500:]

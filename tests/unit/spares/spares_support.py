@@ -8,11 +8,11 @@ import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import wait_for
 
 from flexrun.spares.client import query_status
 from flexrun.spares.daemon import SparesDaemon
@@ -47,16 +47,6 @@ sys.exit(run_recorded(run, record))
 ]
 
 
-def wait_until(pred: Callable[[], object], what: str, timeout: float = 20.0) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 class Served:
     """A :class:`SparesDaemon` of fake spares, served by a thread of the test process."""
 
@@ -79,16 +69,13 @@ class Served:
         self.thread.start()
 
     def wait_ready(self, ready: int, agents: int = 0) -> dict:
-        return dict(
-            wait_until(  # type: ignore[arg-type]
-                lambda: (
-                    (s := query_status(self.root))["ready"] >= ready
-                    and s["agents_ready"] >= agents
-                    and s
-                ),
-                "the daemon's spares to be ready",
-            )
-        )
+        """The daemon's status once ``ready`` spares and ``agents`` agents are ready."""
+
+        def status() -> dict | None:
+            s = query_status(self.root)
+            return s if s["ready"] >= ready and s["agents_ready"] >= agents else None
+
+        return dict(wait_for(status, 20, "the daemon's spares to be ready", interval=0.01))  # type: ignore[call-overload]
 
     def close(self) -> None:
         given = list(self.daemon.given)  # (the daemon keeps these alive for their taker)

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from spares_support import Served, wait_until
+from spares_support import Served
 from squatter_support import chown_nobody, need_root_and_nobody, nobody_python
+from support import wait_for
 
 from flexrun.errors import ConfigError, SparesUntrusted
 from flexrun.proc import Worker
@@ -42,8 +43,16 @@ def _run(w: Worker, code: int, tmp: Path) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     script = tmp / "exit.py"
     script.write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
-    assign(w, env=dict(os.environ), entry=str(script), args=[str(code)], module=False,
-           rank=0, local_rank=0, log_dir=tmp / "rank_0")  # fmt: skip
+    assign(
+        w,
+        env=dict(os.environ),
+        entry=str(script),
+        args=[str(code)],
+        module=False,
+        rank=0,
+        local_rank=0,
+        log_dir=tmp / "rank_0",
+    )
 
 
 def test_taken_spares_are_the_daemons_and_their_exit_codes_come_back(
@@ -63,8 +72,13 @@ def test_taken_spares_are_the_daemons_and_their_exit_codes_come_back(
 
 def test_an_agent_pool_takes_from_the_node_first(served: Served, tmp_path: Path) -> None:
     served.wait_ready(2)
-    pool = WarmPool(3, os.environ, tmp_path / "own", node=served.root,
-                    spare_command=[sys.executable, "-c", "import sys; sys.stdin.read()"])  # fmt: skip
+    pool = WarmPool(
+        3,
+        os.environ,
+        tmp_path / "own",
+        node=served.root,
+        spare_command=[sys.executable, "-c", "import sys; sys.stdin.read()"],
+    )
     try:
         pool.fill()
         kinds = sorted(type(w.proc).__name__ for w, _ in pool.spares)
@@ -130,8 +144,12 @@ def test_an_idle_spare_that_dies_is_replaced_after_the_retry_delay(served: Serve
     served.wait_ready(2)
     victim = served.daemon.idle[0].proc.pid
     os.kill(victim, 9)
-    wait_until(lambda: query_status(served.root)["ready"] + query_status(served.root)["booting"]
-               == 1, "the daemon to notice")  # fmt: skip
+
+    def idle() -> int:
+        s = query_status(served.root)
+        return int(s["ready"] + s["booting"])
+
+    wait_for(lambda: idle() == 1, 20, "the daemon to notice", interval=0.01)
     served.clock.advance(1.1)  # BOOT_RETRY_S starts at 1 s (on the daemon's clock)
     served.wait_ready(2)
 
@@ -147,8 +165,14 @@ def test_a_flexrun_run_hands_itself_to_a_warm_agent(tmp_path: Path) -> None:
             "from flexrun.spares.client import run_in_warm_agent; "
             f"sys.exit(run_in_warm_agent(Path({str(s.root)!r}), ['4', 'x.py']))"
         )
-        res = subprocess.run([sys.executable, "-c", client], cwd=work, capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "MARKER": "m1"})  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-c", client],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "MARKER": "m1"},
+        )
         assert res.returncode == 4, res.stderr
         got = json.loads(res.stdout)  # the agent wrote to the client's own stdout
         assert got == {"argv": ["4", "x.py"], "cwd": str(work), "marker": "m1"}
@@ -195,8 +219,14 @@ def test_a_client_of_another_uid_is_refused_by_the_listener(tmp_path: Path) -> N
         "print(s.recv(4096).decode())"
     )
     try:
-        p = subprocess.Popen([str(nobody_python()), "-I", "-S", "-c", stranger], cwd=open_dir,
-                             user="nobody", extra_groups=[], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        p = subprocess.Popen(
+            [str(nobody_python()), "-I", "-S", "-c", stranger],
+            cwd=open_dir,
+            user="nobody",
+            extra_groups=[],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while p.poll() is None and time.monotonic() < deadline:
             assert listener.poll(0.05) == []  # nothing of a stranger reaches the daemon

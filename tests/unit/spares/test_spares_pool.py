@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spares_support import FAKE_SPARE, wait_until
+from spares_support import FAKE_SPARE
+from support import wait_for
 
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.testing import FakeClock
@@ -113,8 +114,16 @@ def test_an_assigned_spare_runs_the_script_as_a_fresh_worker_would(
     os.chdir(work)
     try:
         env = {**os.environ, "RANK": "3"}
-        assign(w, env=env, entry=str(script), args=[str(out), "3"], module=False, rank=3,
-               local_rank=0, log_dir=log_dir)  # fmt: skip
+        assign(
+            w,
+            env=env,
+            entry=str(script),
+            args=[str(out), "3"],
+            module=False,
+            rank=3,
+            local_rank=0,
+            log_dir=log_dir,
+        )
     finally:
         os.chdir(cwd)
     assert w.proc.wait(timeout=30) == 3
@@ -137,8 +146,15 @@ def test_a_module_entry_point_is_found_on_the_workers_pythonpath(
     w = pool.take(wait_s=30)
     assert w is not None
     pythonpath = os.pathsep.join([str(lib), os.environ.get("PYTHONPATH", "")])
-    assign(w, env={**os.environ, "PYTHONPATH": pythonpath}, entry="entry_mod", args=[],
-           module=True, rank=0, local_rank=0)  # fmt: skip
+    assign(
+        w,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        entry="entry_mod",
+        args=[],
+        module=True,
+        rank=0,
+        local_rank=0,
+    )
     assert w.proc.wait(timeout=30) == 7
 
 
@@ -150,7 +166,7 @@ def test_a_malformed_assignment_is_one_line_and_exit_2(tmp_path: Path) -> None:
         stdin=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    wait_until(ready.exists, "the spare to be ready", 30)
+    wait_for(ready.exists, 30, "the spare to be ready", interval=0.01)
     _, err = p.communicate(b'{"entry": 5}\n', timeout=30)
     assert p.returncode == 2
     assert err.decode().count("\n") == 1 and "'entry' must be str" in err.decode()

@@ -74,8 +74,12 @@ def test_a_hostile_request_is_a_protocol_error(line: bytes, needle: str) -> None
 
 def test_replies_are_checked_and_offers_stay_below_the_directory(tmp_path: Path) -> None:
     root = tmp_path / "spares"
-    ok = {"pid": 12, "name": "w1-2", "ready": str(root / "spares/w1-2.ready"),
-          "log_dir": str(root / "spares/w1-2")}  # fmt: skip
+    ok = {
+        "pid": 12,
+        "name": "w1-2",
+        "ready": str(root / "spares/w1-2.ready"),
+        "log_dir": str(root / "spares/w1-2"),
+    }
     reply, error = parse_reply(json.dumps({"spares": [ok]}).encode())
     assert error is None
     (offer,) = parse_spare_offers(reply, root)
@@ -102,8 +106,14 @@ def test_replies_are_checked_and_offers_stay_below_the_directory(tmp_path: Path)
             parse_agent_offer(bad, root)
     with pytest.raises(SparesProtocolError):
         parse_reply(b'{"error": 3}\n')
-    status = {"pid": 1, "ready": 2, "booting": 0, "agents_ready": 0, "handed_out": 1,
-              "interpreter": "i"}  # fmt: skip
+    status = {
+        "pid": 1,
+        "ready": 2,
+        "booting": 0,
+        "agents_ready": 0,
+        "handed_out": 1,
+        "interpreter": "i",
+    }
     assert parse_status(status) == status
     for key, value in (("ready", -1), ("booting", "0"), ("interpreter", None)):
         with pytest.raises(SparesProtocolError):
@@ -111,12 +121,26 @@ def test_replies_are_checked_and_offers_stay_below_the_directory(tmp_path: Path)
 
 
 def test_assignments_and_handovers_round_trip_and_refuse_wrong_types() -> None:
-    task = Assignment(entry="w.py", args=("a", "b"), module=False, env={"A": "1"}, cwd="/",
-                      stdout="/x/stdout.log", agent_pid=7)  # fmt: skip
+    task = Assignment(
+        entry="w.py",
+        args=("a", "b"),
+        module=False,
+        env={"A": "1"},
+        cwd="/",
+        stdout="/x/stdout.log",
+        agent_pid=7,
+    )
     assert parse_assignment(task.encode()) == task
     raw = json.loads(task.encode())
-    for key, value in (("args", "a b"), ("args", [1]), ("env", {"A": 1}), ("env", ["A"]),
-                       ("module", "yes"), ("agent_pid", "7"), ("cwd", None)):  # fmt: skip
+    for key, value in (
+        ("args", "a b"),
+        ("args", [1]),
+        ("env", {"A": 1}),
+        ("env", ["A"]),
+        ("module", "yes"),
+        ("agent_pid", "7"),
+        ("cwd", None),
+    ):
         with pytest.raises(SparesProtocolError):
             parse_assignment(json.dumps({**raw, key: value}).encode())
     hand = Handover(argv=("run", "x.py"), env={"PATH": "/bin"}, cwd="/tmp")
