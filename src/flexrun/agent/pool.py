@@ -154,6 +154,14 @@ def assign(
     return w
 
 
+def restart_pool(config: RunConfig) -> WarmPool | None:
+    """The warm pool of a restart-mode agent (None when disabled or not applicable)."""
+    if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
+        return None
+    log_root = config.log_dir or (config.run_dir / "logs")
+    return WarmPool(config.warm_spares, config.environ, log_root / "spares", node=config.spares_dir)
+
+
 def live_pool(config: RunConfig) -> WarmPool | None:
     """The warm pool of a live-mode agent (None for ``--no-python``). The launcher builds
     it and fills it with the node's first workers before it even connects to the store,

@@ -66,7 +66,7 @@ import torch._dynamo  # noqa: F401
 
 from flexrun.errors import CheckpointError, ConfigError
 from flexrun.events import EventLog
-from flexrun.live_protocol import STATE_MARK, EpochRecord, live_keys
+from flexrun.live_protocol import EpochRecord, MemberReport, mark_state, touch_heartbeat
 from flexrun.train.live_group import EpochGroup, LiveAborted, LiveEnv, TrainingFinished
 from flexrun.train.live_plan import plan_recovery
 from flexrun.train.live_sync import broadcast_state, state_checksum
@@ -201,9 +201,7 @@ class LiveLoop:
 
     # -- plumbing -----------------------------------------------------------------------
     def _touch(self) -> None:
-        self.env.heartbeat_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.env.heartbeat_file, "a"):
-            os.utime(self.env.heartbeat_file)
+        touch_heartbeat(self.env.heartbeat_file)
 
     def _heartbeat(self) -> None:
         while not self._stop_hb.wait(self.env.heartbeat_interval_s):
@@ -338,9 +336,11 @@ class LiveLoop:
                 after = rec.number
 
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
-        report: dict[str, Any] = {"step": self.committed, "has_state": self.has_state}
-        if self.has_state:
-            report["checksum"] = state_checksum(self.model)
+        report = MemberReport(
+            self.committed,
+            self.has_state,
+            state_checksum(self.model) if self.has_state else None,
+        )
         reports = self.group.agree(rec, report, has_state=self.has_state)
         plan = plan_recovery(reports, formed=self.group.formed_before())
         self.rank, self.world_size = self.group.form(rec)
@@ -382,7 +382,7 @@ class LiveLoop:
         if first:
             # Tells the agent that this worker holds live state (see LiveSupervisor).
             with contextlib.suppress(OSError):
-                self.env.heartbeat_file.write_text(STATE_MARK + "\n")
+                mark_state(self.env.heartbeat_file)
             self.group.mark_formed(rec.number)
 
     # -- durability -------------------------------------------------------------------------
@@ -450,7 +450,6 @@ __all__ = [
     "LiveEnv",
     "LiveLoop",
     "Step",
-    "live_keys",
     "split_share",
     "state_checksum",
 ]
