@@ -17,17 +17,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flexrun.errors import FlexrunError
+from flexrun.errors import LiveAborted, TrainingFinished
 from flexrun.live_protocol import EpochRecord, LiveEnv, LiveKeys, MemberReport
 from flexrun.train.live_sync import leak
-
-
-class LiveAborted(FlexrunError):
-    """The current epoch ended under a step (a member died or the membership changed)."""
-
-
-class TrainingFinished(Exception):
-    """The job's members completed every step while this worker waited to join."""
 
 
 class EpochGroup:

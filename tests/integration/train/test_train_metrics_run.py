@@ -13,8 +13,9 @@ import pytest
 from support import Procs, free_port, read_events, scrape_metrics, wait_for
 from train_support import EXAMPLE, Launcher
 
+from flexrun.observe.analysis import analyze, load_events
 from flexrun.observe.metrics import serve_run_metrics
-from flexrun.observe.report import REPORT_FILE, analyze, load_events
+from flexrun.observe.report import REPORT_FILE
 
 WORKER = textwrap.dedent(
     """
