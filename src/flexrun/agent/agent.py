@@ -23,7 +23,7 @@ from flexrun.agent import policy
 from flexrun.agent.runner import RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
-from flexrun.errors import StoreUnavailable
+from flexrun.errors import AgentError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.exitcodes import for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
@@ -191,7 +191,12 @@ class Agent:
     def _follow(self, action: Action) -> int | None:
         """Carry out the rendezvous' decision."""
         if isinstance(action, Run):
-            start = self.runner.run_round(action.round)
+            try:
+                start = self.runner.run_round(action.round)
+            except OSError as exc:
+                raise AgentError(
+                    f"could not start the workers of round {action.round.number}: {exc}"
+                ) from exc
             if start is RoundStart.FRESH:
                 self._runs += 1
                 self.uptime.restart()

@@ -294,3 +294,20 @@ def test_the_workers_keep_running_through_a_store_outage(tmp_path) -> None:
     assert runner.stops == [0.0]  # stopped once, at the finish: never for the outage
     events = (tmp_path / "events.jsonl").read_text()
     assert '"store_unavailable"' in events and '"store_recovered"' in events
+
+
+@pytest.mark.timeout(10)
+def test_workers_that_cannot_start_are_one_clear_agent_error(tmp_path) -> None:
+    from flexrun.errors import AgentError
+
+    rdzv = FakeRendezvous([Run(rnd(1, "n1"))])
+    runner = FakeRunner([])
+
+    def no_fork(r: RoundRecord) -> RoundStart | None:
+        raise OSError(24, "Too many open files")
+
+    runner.run_round = no_fork  # type: ignore[method-assign]
+    agent, _ = make(tmp_path, rdzv, runner)
+    with pytest.raises(AgentError, match="could not start the workers of round 1"):
+        agent.run()
+    assert rdzv.left and runner.closed
