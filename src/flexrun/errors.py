@@ -1,6 +1,7 @@
 """The one exception tree of flexrun.
 
-Owns every exception type the library raises on purpose. I/O boundaries translate
+Owns every exception type the library raises on purpose (and the two control-flow
+signals of live mode's workers, :class:`LiveAborted` and :class:`TrainingFinished`). I/O boundaries translate
 foreign errors into these (``raise StoreUnavailable(...) from exc``); the CLI turns any
 :class:`FlexrunError` into one line on stderr and exit code 2. Anything else that escapes
 is a bug and keeps its traceback.
@@ -37,12 +38,18 @@ class RendezvousTimeout(RendezvousError):
     """Not enough nodes arrived before the join timeout."""
 
 
-class RendezvousClosed(RendezvousError):
-    """The job has finished or failed; no new round will be formed."""
-
-
 class AgentError(FlexrunError):
-    """The elastic agent could not run its workers."""
+    """The elastic agent could not run its workers (a worker process could not start)."""
+
+
+class LiveAborted(FlexrunError):
+    """Live mode, in a worker: the current membership epoch ended under a step (a member
+    died or the membership changed); the worker re-forms with the next epoch."""
+
+
+class TrainingFinished(FlexrunError):
+    """Live mode, in a worker: not a failure. The job's members completed every step while
+    this worker waited to join (a replacement that came too late leaves quietly)."""
 
 
 class CheckpointError(FlexrunError):

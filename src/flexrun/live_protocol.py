@@ -1,24 +1,83 @@
-"""Live mode's agent <-> worker contract: store keys and the membership epoch record.
+"""Live mode's agent <-> worker protocol: every key, record, file and variable between them.
 
-Owns only these names, so that both sides share one definition without the agent
-importing ``flexrun.train`` (which imports torch: an agent that imports torch takes seconds
-longer to start, and a joining node's first step waits for it). The protocol itself is
-described in ``flexrun.train.live`` (workers) and ``flexrun.agent.live`` (agents).
+Owns the whole contract, so that both sides share one definition without the agent
+importing ``flexrun.train`` (which imports torch: an agent that imports torch takes
+seconds longer to start, and a joining node's first step waits for it). Torch-free and
+without I/O except the heartbeat file helpers. The three channels:
+
+- **Environment** (agent -> worker, once): :class:`LiveEnv` (``FLEXRUN_LIVE_*``,
+  ``FLEXRUN_WORKER_ID``), built by :func:`worker_env`, read by :meth:`LiveEnv.from_environ`.
+- **Store** (both ways), keys of :class:`LiveKeys` under ``flexrun/<run_id>/live/``:
+  ``epoch`` = the current :class:`EpochRecord` (agents, by compare-and-set; workers read),
+  ``nodes/<node_id>`` = a node's included workers (:class:`NodeWorkers`, agents only),
+  ``formed`` (some epoch has formed: a worker once held state), ``done`` (the last step
+  was committed), and per epoch ``e/<n>/``: the members' arrival reports
+  (``ready/<rank>``, :class:`MemberReport`) and the epoch's process-group namespace.
+- **Heartbeat file** (worker -> agent, per worker): touched every interval while the
+  worker is in the loop; its content starts with :data:`STATE_MARK` once the worker holds
+  live state (has joined an epoch). The agent judges a worker by the file's age.
+
+The worker side is ``flexrun.train.live`` (and ``live_group``); the agent side
+``flexrun.agent.live``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from flexrun.errors import ConfigError
 
 STATE_MARK = "state"
-"""A live worker writes this to its heartbeat file once it holds live state (has joined
-an epoch); the agent reads it to tell whether a job's live state survived."""
+"""Written to a worker's heartbeat file once it holds live state (has joined an epoch)."""
+
+ENV_LIVE = "FLEXRUN_LIVE"
+ENV_STORE = "FLEXRUN_LIVE_STORE"
+ENV_WORKER_ID = "FLEXRUN_WORKER_ID"
+ENV_HEARTBEAT = "FLEXRUN_LIVE_HEARTBEAT"
+ENV_HEARTBEAT_INTERVAL = "FLEXRUN_LIVE_HEARTBEAT_INTERVAL"
+
+
+class LiveKeys:
+    """Store keys of one job's live mode."""
+
+    def __init__(self, run_id: str) -> None:
+        self.root = f"flexrun/{run_id}/live/"
+        self.epoch = self.root + "epoch"
+        self.nodes = self.root + "nodes/"
+        self.formed = self.root + "formed"
+        self.done = self.root + "done"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def epoch_namespace(self, number: int) -> str:
+        """Prefix of epoch ``number``'s own keys (arrival reports, process group)."""
+        return f"{self.root}e/{number}/"
+
+    @staticmethod
+    def ready(rank: int) -> str:
+        """Key (inside an epoch's namespace) of member ``rank``'s arrival report."""
+        return f"ready/{rank}"
+
+
+def _json_object(raw: bytes | str, what: str) -> dict[str, object]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"unreadable {what} record: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} record is not an object")
+    return data
 
 
 @dataclass(frozen=True, slots=True)
 class EpochRecord:
-    """Who trains in epoch ``number``, in rank order."""
+    """Who trains in epoch ``number``, in rank order; ``abort``: a member of the previous
+    epoch is gone, so its collectives must be abandoned now (not at a step boundary)."""
 
     number: int
     members: tuple[str, ...]
@@ -31,19 +90,171 @@ class EpochRecord:
 
     @classmethod
     def decode(cls, raw: bytes) -> EpochRecord:
-        d = json.loads(raw)
-        return cls(int(d["number"]), tuple(d["members"]), bool(d["abort"]))
+        """Raises ValueError on a malformed record."""
+        d = _json_object(raw, "epoch")
+        try:
+            members = d["members"]
+            if not isinstance(members, list):
+                raise TypeError("members is not a list")
+            return cls(int(str(d["number"])), tuple(str(m) for m in members), bool(d["abort"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed epoch record: {exc}") from exc
 
 
-def live_keys(run_id: str) -> tuple[str, str]:
-    """(epoch key, per-epoch namespace prefix) of a job's live mode."""
-    root = f"flexrun/{run_id}/live/"
-    return root + "epoch", root + "e/"
+def next_epoch(current: EpochRecord | None, members: Sequence[str]) -> EpochRecord | None:
+    """The epoch that follows ``current`` when the job's live workers are ``members``
+    (None: nothing to publish, no members or no change). It aborts when a member of
+    ``current`` is missing; a grown membership switches at a step boundary instead."""
+    if not members or (current is not None and current.members == tuple(members)):
+        return None
+    abort = current is not None and any(w not in members for w in current.members)
+    return EpochRecord((current.number + 1) if current else 1, tuple(members), abort)
 
 
-def formed_key(run_id: str) -> str:
-    """Set once some epoch of the job has formed (someone has held live state)."""
-    return f"flexrun/{run_id}/live/formed"
+@dataclass(frozen=True, slots=True)
+class NodeWorkers:
+    """A node's included live workers (``nodes/<node_id>``), as of its round ``round``."""
+
+    round: int
+    workers: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps({"round": self.round, "workers": list(self.workers)}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NodeWorkers:
+        """Raises ValueError on a malformed record."""
+        d = _json_object(raw, "node workers")
+        workers = d.get("workers")
+        if not isinstance(workers, list):
+            raise ValueError("malformed node workers record: workers is not a list")
+        return cls(int(str(d.get("round", 0))), tuple(str(w) for w in workers))
 
 
-__all__ = ["STATE_MARK", "EpochRecord", "formed_key", "live_keys"]
+@dataclass(frozen=True, slots=True)
+class MemberReport:
+    """What one member posts when it arrives in an epoch."""
+
+    step: int
+    has_state: bool
+    checksum: str | None = None
+
+    def encode(self) -> str:
+        data: dict[str, object] = {"step": self.step, "has_state": self.has_state}
+        if self.checksum is not None:
+            data["checksum"] = self.checksum
+        return json.dumps(data)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> MemberReport:
+        """Raises ValueError on a malformed report."""
+        d = _json_object(raw, "member report")
+        try:
+            checksum = d.get("checksum")
+            return cls(
+                int(str(d["step"])),
+                bool(d["has_state"]),
+                str(checksum) if checksum is not None else None,
+            )
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"malformed member report: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LiveEnv:
+    """What the agent tells a live worker."""
+
+    store_host: str
+    store_port: int
+    run_id: str
+    worker_id: str
+    heartbeat_file: Path
+    heartbeat_interval_s: float
+    run_dir: str | None
+    round: int
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> LiveEnv:
+        """Raises ConfigError when the script was not started by ``flexrun run --mode live``."""
+        if env.get(ENV_LIVE) != "1":
+            raise ConfigError(
+                "LiveLoop needs `flexrun run --mode live` (or auto mode with a script that uses it); "
+                "under torchrun or restart mode use the Checkpointer and ElasticSampler instead"
+            )
+        try:
+            host, _, port = env[ENV_STORE].rpartition(":")
+            return cls(
+                store_host=host,
+                store_port=int(port),
+                run_id=env["FLEXRUN_RUN_ID"],
+                worker_id=env[ENV_WORKER_ID],
+                heartbeat_file=Path(env[ENV_HEARTBEAT]),
+                heartbeat_interval_s=float(env.get(ENV_HEARTBEAT_INTERVAL, "0.5")),
+                run_dir=env.get("FLEXRUN_RUN_DIR") or None,
+                round=int(env.get("FLEXRUN_ROUND", "0")),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"live-mode environment incomplete or malformed: {exc}") from exc
+
+
+def worker_env(
+    *, store: tuple[str, int], worker_id: str, heartbeat: Path, heartbeat_interval_s: float
+) -> dict[str, str]:
+    """The live-mode variables of one worker (added to its torchrun-style environment)."""
+    return {
+        ENV_LIVE: "1",
+        ENV_STORE: f"{store[0]}:{store[1]}",
+        ENV_WORKER_ID: worker_id,
+        ENV_HEARTBEAT: str(heartbeat),
+        ENV_HEARTBEAT_INTERVAL: str(heartbeat_interval_s),
+    }
+
+
+# -- the heartbeat file ------------------------------------------------------------------------
+def touch_heartbeat(path: Path) -> None:
+    """Worker side: "I am in the loop" (creates the file; keeps its content).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a"):
+        os.utime(path)
+
+
+def mark_state(path: Path) -> None:
+    """Worker side: "I hold live state" (after joining an epoch)."""
+    path.write_text(STATE_MARK + "\n")
+
+
+def heartbeat_age(path: Path, now_wall: float) -> float | None:
+    """Agent side: seconds since the worker last beat, or None when it is not in the loop
+    (not yet, or any more)."""
+    try:
+        return now_wall - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def holds_state(path: Path) -> bool:
+    """Agent side: the worker has joined an epoch (so it holds live state)."""
+    try:
+        return path.read_text().startswith(STATE_MARK)
+    except OSError:
+        return False
+
+
+__all__ = [
+    "STATE_MARK",
+    "EpochRecord",
+    "LiveEnv",
+    "LiveKeys",
+    "MemberReport",
+    "NodeWorkers",
+    "heartbeat_age",
+    "holds_state",
+    "mark_state",
+    "next_epoch",
+    "touch_heartbeat",
+    "worker_env",
+]

@@ -1,4 +1,5 @@
-"""From a validated RunConfig to a running agent: store connection (or hosting), event log.
+"""From a validated RunConfig to a running agent: store connection (or hosting), event
+log, the mode's runner and warm pools, metrics and resource sampling.
 
 Owns the wiring only; the CLI calls :func:`launch` and turns its result into an exit code.
 """
@@ -6,12 +7,17 @@ Owns the wiring only; the CLI calls :func:`launch` and turns its result into an 
 from __future__ import annotations
 
 import logging
+import os
 
-from flexrun.agent.agent import ElasticAgent
+from flexrun.agent.agent import Agent
+from flexrun.agent.restart import RestartRunner
+from flexrun.agent.runner import Runner
 from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
-from flexrun.errors import StoreUnavailable
+from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
+from flexrun.rendezvous import NodeRecord, RendezvousHandler
+from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
 from flexrun.store.factory import connect
 from flexrun.store.tcp import TcpStore
@@ -46,6 +52,50 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
                 # Someone (a `flexrun store`, or another agent on this host) already serves it.
                 server = None
     return connect(settings, (host, port)), server
+
+
+def build_agent(
+    config: RunConfig,
+    store: Store,
+    *,
+    events: EventLog,
+    pool: WarmPool | None = None,
+    live_spares: WarmPool | None = None,
+) -> Agent:
+    """This node's agent over ``store``, with the runner of ``config.mode``.
+
+    Raises:
+        ConfigError: live mode without the tcp store.
+    """
+    me = NodeRecord(config.node_id, config.local_addr, config.nproc_per_node, pid=os.getpid())
+    rdzv = RendezvousHandler(
+        store, run_id=config.run_id, me=me, settings=config.rendezvous, events=events
+    )
+    runner: Runner
+    if config.mode == "live":
+        if not isinstance(store, TcpStore):
+            raise ConfigError("--mode live needs the tcp store")
+        # Imported here: live mode's agent side is light, but keep restart mode's minimal.
+        from flexrun.agent.live import LiveRunner
+
+        runner = LiveRunner(
+            config,
+            node_id=me.node_id,
+            store=store,
+            store_addr=(store.host, store.port),
+            events=events,
+            pool=live_spares,
+        )
+    else:
+        timeout = config.rendezvous.join_timeout_s
+        runner = RestartRunner(
+            config,
+            node_id=me.node_id,
+            events=events,
+            masters=lambda rnd: rdzv.master_for(rnd, timeout_s=timeout),
+            pool=pool,
+        )
+    return Agent(config, rdzv, runner, events=events)
 
 
 def launch(config: RunConfig) -> int:
@@ -85,11 +135,7 @@ def launch(config: RunConfig) -> int:
                 events.emit, interval_s=config.resource_interval_s, disk_path=str(config.run_dir)
             )
             sampler.start()
-        addr = (store.host, store.port) if isinstance(store, TcpStore) else None
-        agent = ElasticAgent(
-            config, store, events=events, store_addr=addr, pool=pool, live_spares=live_spares
-        )
-        return agent.run()
+        return build_agent(config, store, events=events, pool=pool, live_spares=live_spares).run()
     finally:
         for p in (pool, live_spares):
             if p is not None:

@@ -1,47 +1,56 @@
-"""The agent's side of live mode: worker slots, warm spares, liveness, membership epochs.
+"""Live mode's runner: worker slots that survive rounds, warm spares, liveness.
 
 Owns this node's live workers: it starts them once, replaces a dead or frozen one (from a
-warm spare when it has one), and publishes the job's membership epoch that the workers'
-``flexrun.train.live.LiveLoop`` follows. It never restarts survivors. Node membership
-(who is in the job) still comes from the rendezvous rounds; an epoch is the list of live
-workers of the round's nodes, in node order then local rank.
-
-Store keys (under ``flexrun/<run_id>/live/``): ``nodes/<node_id>`` = this node's included
-workers; ``epoch`` = the current :class:`~flexrun.train.live.EpochRecord`, changed by
-compare-and-set by whichever agent sees a change first (they all compute the same list).
+warm spare when it has one) while the survivors keep running, and keeps the job's
+membership epoch current (:mod:`flexrun.agent.live_epochs`) for the workers'
+``flexrun.train.live.LiveLoop`` to follow. It never restarts survivors. Node membership
+still comes from the rendezvous rounds; an epoch is the list of live workers of the
+round's nodes, in node order then local rank. Whether a failure counts against
+``--max-restarts`` is the policy's (:mod:`flexrun.agent.policy`); the protocol with the
+workers is :mod:`flexrun.live_protocol`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import signal
 import subprocess
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.live_epochs import EpochPublisher
+from flexrun.agent.policy import LiveFailed, LiveFinished
+from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
-from flexrun.agent.warm import live_pool
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.events import EventLog
-from flexrun.live_protocol import STATE_MARK, EpochRecord, formed_key, live_keys
-from flexrun.proc import Tee, Worker, WorkerResult, read_cause, reap, spawn_worker, start_tees
-from flexrun.rendezvous import RendezvousHandler
+from flexrun.live_protocol import EpochRecord, heartbeat_age, holds_state, worker_env
+from flexrun.proc import (
+    Tee,
+    Worker,
+    WorkerResult,
+    build_command,
+    kill_session,
+    read_cause,
+    reap,
+    spawn_worker,
+    start_tees,
+)
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
 
 log = logging.getLogger("flexrun.agent")
 
-# A node's first workers were started as spares when its agent started: one still importing
-# torch is ready sooner than a process started now (waits end early if none is booting).
 SPARE_BOOT_WAIT_S = 60.0
+"""A node's first workers were started as spares when its agent started: one still
+importing torch is ready sooner than a process started now (waits end early if none is
+booting)."""
 
 
 @dataclass
@@ -57,71 +66,107 @@ class LiveWorker:
     tees: list[Tee] = field(default_factory=list)
 
 
-class LiveSupervisor:
+class LiveRunner:
     """This node's live workers for the whole job."""
 
     def __init__(
         self,
         config: RunConfig,
-        rdzv: RendezvousHandler,
+        *,
+        node_id: str,
         store: Store,
         store_addr: tuple[str, int],
-        command: list[str],
-        *,
         events: EventLog,
-        warm_spares: int,
-        clock: Clock = SYSTEM_CLOCK,
         pool: WarmPool | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
-        self.rdzv = rdzv
-        self.store = store
+        self.node = node_id
         self.store_addr = store_addr
-        self.command = command
         self.events = events
-        self.warm_spares = warm_spares
         self.clock = clock
-        self.node = rdzv.me.node_id
+        self.epochs = EpochPublisher(store, run_id=config.run_id, node_id=node_id, events=events)
         self.slots: dict[int, LiveWorker] = {}
         self.round: RoundRecord | None = None
+        self.pool = pool
+        """This node's first workers boot (Python, torch) as spares while the agent meets
+        the others (the launcher fills it before connecting to the store)."""
         self._seq = 0
         self._tee_done = threading.Event()
-        self._epoch_key, _ = live_keys(config.run_id)
-        self._node_key = f"flexrun/{config.run_id}/live/nodes/{self.node}"
-        self._formed_key = formed_key(config.run_id)
-        self._published: tuple[int, tuple[str, ...]] | None = None
-        self._counted_epoch = -1
+        self._command = build_command(
+            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+        )
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
-        self._hb_root = config.run_dir / "live-heartbeats" / self.node
-        # This node's own first workers boot (Python, torch) while the agent meets the
-        # others: a joining node trains that much sooner. The launcher starts them before
-        # it connects to the store (``pool``); built here otherwise.
-        self.pool: WarmPool | None = pool if pool is not None else live_pool(config)
-        if self.pool is not None:
-            self.pool.fill(count=config.nproc_per_node)
+        self._hb_root = config.run_dir / "live-heartbeats" / node_id
 
     @property
     def active(self) -> bool:
         return bool(self.slots)
 
-    # -- processes ----------------------------------------------------------------------------
+    # -- rounds ------------------------------------------------------------------------------
+    def run_round(self, rnd: RoundRecord) -> RoundStart:
+        """Start this node's workers (once per job, or after a stop); later rounds change
+        only the membership epoch, never the survivors."""
+        self.events.round = rnd.number
+        if self.slots:
+            log.info(
+                "round %d (%s): live workers carry on; publishing the new membership",
+                rnd.number,
+                rnd.reason,
+            )
+            self.round = rnd
+            self.epochs.publish(rnd, self._included())
+            start = RoundStart.CONTINUED
+        else:
+            self._start(rnd)
+            start = RoundStart.FRESH
+        self.events.emit(
+            "rendezvous_completed",
+            round=rnd.number,
+            members=rnd.member_ids,
+            world_size=rnd.world_size(),
+            group_rank=rnd.group_rank(self.node),
+            reason=rnd.reason,
+            mode="live",
+        )
+        return start
+
+    def _start(self, rnd: RoundRecord) -> None:
+        self.round = rnd
+        first_in_job = self.epochs.current() is None
+        for slot in range(self.config.nproc_per_node):
+            self._fill(
+                slot,
+                include_now=first_in_job,
+                boot_wait_s=SPARE_BOOT_WAIT_S,
+                joining=not first_in_job,
+            )
+        if self.pool is not None:
+            self.pool.trim()  # (and refilled by tend() once these workers are up)
+        self.epochs.publish(rnd, self._included())
+
+    def _included(self) -> list[str]:
+        return [lw.worker_id for _, lw in sorted(self.slots.items()) if lw.included]
+
+    # -- processes ---------------------------------------------------------------------------
     def _next_id(self) -> str:
         self._seq += 1
         return f"{self.node}.w{self._seq}"
 
     def _env(self, slot: int, worker_id: str, heartbeat: Path) -> dict[str, str]:
         assert self.round is not None
+        c = self.config
         env = worker_envs(
-            base=self.config.environ,
+            base=c.environ,
             rnd=self.round,
             node_id=self.node,
-            nproc=self.config.nproc_per_node,
-            master=MasterRecord(self.config.local_addr, 0),
-            role=self.config.role,
-            run_id=self.config.run_id,
-            run_dir=self.config.run_dir,
+            nproc=c.nproc_per_node,
+            master=MasterRecord(c.local_addr, 0),
+            role=c.role,
+            run_id=c.run_id,
+            run_dir=c.run_dir,
             restart_count=0,
-            max_restarts=self.config.rendezvous.max_restarts,
+            max_restarts=c.rendezvous.max_restarts,
         )[slot]
         # Live workers form their own groups per epoch: no default process group address.
         # Their bounded store waits time out routinely; c10d would warn about each one.
@@ -129,31 +174,14 @@ class LiveSupervisor:
         env.pop("MASTER_ADDR", None)
         env.pop("MASTER_PORT", None)
         env.update(
-            FLEXRUN_LIVE="1",
-            FLEXRUN_LIVE_STORE=f"{self.store_addr[0]}:{self.store_addr[1]}",
-            FLEXRUN_WORKER_ID=worker_id,
-            FLEXRUN_LIVE_HEARTBEAT=str(heartbeat),
-            FLEXRUN_LIVE_HEARTBEAT_INTERVAL=str(
-                min(0.5, self.config.rendezvous.heartbeat_interval_s)
-            ),
+            worker_env(
+                store=self.store_addr,
+                worker_id=worker_id,
+                heartbeat=heartbeat,
+                heartbeat_interval_s=min(0.5, c.rendezvous.heartbeat_interval_s),
+            )
         )
         return env
-
-    def _spawn(self, slot: int) -> LiveWorker:
-        wid = self._next_id()
-        hb = self._hb_root / wid
-        hb.unlink(missing_ok=True)
-        w = spawn_worker(
-            self.command, self._env(slot, wid, hb), self._log_root / wid, rank=slot, local_rank=slot
-        )
-        lw = LiveWorker(wid, w, hb)
-        lw.tees = start_tees(
-            w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done, w.log_offsets
-        )
-        self.events.emit(
-            "worker_started", worker_id=wid, local_rank=slot, pid=w.proc.pid, spare=False
-        )
-        return lw
 
     def _fill(
         self, slot: int, *, include_now: bool, boot_wait_s: float = 0.0, joining: bool = False
@@ -164,115 +192,59 @@ class LiveSupervisor:
         ``boot_wait_s``: wait that long for a spare that is still importing torch.
         ``joining``: a new node's worker; even a spare enters an epoch only once its script
         has reached the loop (the running members must not wait for the script's set-up)."""
-        spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
-        if spare is None:
-            lw = self._spawn(slot)
-            lw.included = include_now
-            self.slots[slot] = lw
-            return
         wid = self._next_id()
         hb = self._hb_root / wid
         hb.unlink(missing_ok=True)
-        assign(
-            spare,
-            env=self._env(slot, wid, hb),
-            entry=self.config.entrypoint,
-            args=self.config.args,
-            module=self.config.module,
-            rank=slot,
-            local_rank=slot,
-            log_dir=self._log_root / wid,
-        )
-        lw = LiveWorker(wid, spare, hb, included=include_now or not joining)
+        env = self._env(slot, wid, hb)
+        wdir = self._log_root / wid
+        spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
+        if spare is None:
+            w = spawn_worker(self._command, env, wdir, rank=slot, local_rank=slot)
+            included = include_now
+        else:
+            c = self.config
+            w = assign(
+                spare,
+                env=env,
+                entry=c.entrypoint,
+                args=c.args,
+                module=c.module,
+                rank=slot,
+                local_rank=slot,
+                log_dir=wdir,
+            )
+            included = include_now or not joining
+            log.info("slot %d: a warm spare takes over as %s", slot, wid)
+        lw = LiveWorker(wid, w, hb, included=included)
         lw.tees = start_tees(
-            spare.log_dir,
-            f"[{wid}]:",
-            self.config.console_streams,
-            self._tee_done,
-            spare.log_offsets,
+            w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done, w.log_offsets
         )
         self.slots[slot] = lw
         self.events.emit(
             "worker_started",
             worker_id=wid,
             local_rank=slot,
-            pid=spare.proc.pid,
-            spare=True,
-            spare_ready_ts=self.pool.last_ready_ts if self.pool is not None else None,
+            pid=w.proc.pid,
+            spare=spare is not None,
+            **(
+                {"spare_ready_ts": self.pool.last_ready_ts}
+                if spare is not None and self.pool is not None
+                else {}
+            ),
         )
-        log.info("slot %d: a warm spare takes over as %s", slot, wid)
 
-    # -- lifecycle ----------------------------------------------------------------------------
-    def start(self, rnd: RoundRecord) -> None:
-        """Start this node's workers (once per job, or after a stop)."""
-        self.round = rnd
-        first_in_job = self.store.get(self._epoch_key) is None
-        for slot in range(self.config.nproc_per_node):
-            self._fill(
-                slot,
-                include_now=first_in_job,
-                boot_wait_s=SPARE_BOOT_WAIT_S,
-                joining=not first_in_job,
-            )
-        if self.pool is not None:
-            self.pool.trim()  # (and refilled by poll() once these workers are up)
-        self.publish()
-
-    def on_round(self, rnd: RoundRecord) -> None:
-        """Node membership changed: survivors keep running; only the epoch changes."""
-        self.round = rnd
-        self.publish()
-
-    def stop(self, grace_s: float) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        procs = list(self.slots.values())
-        for lw in procs:
-            if lw.worker.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(lw.worker.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for lw in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                lw.worker.proc.wait(timeout=max(0.001, deadline - time.monotonic()))
-            reap(lw.worker)
-        self._tee_done.set()
-        for lw in procs:
-            for t in lw.tees:
-                t.join(timeout=2)
-        self._tee_done = threading.Event()
-        self.slots.clear()
-        self._published = None
-
-    # -- monitoring ---------------------------------------------------------------------------
-    def poll(self) -> int | None:
-        """Check workers; replace the dead; publish changes. Returns 0 when all finished."""
-        changed = False
+    # -- monitoring --------------------------------------------------------------------------
+    def poll(self) -> LiveFailed | LiveFinished | None:
+        """Check workers; replace the dead; publish changes."""
+        failures: list[FailureCause] = []
         dead: list[int] = []
-        now = time.time()
-        timeout = self.config.rendezvous.heartbeat_timeout_s
+        now = self.clock.wall()
         for slot, lw in sorted(self.slots.items()):
             if lw.finished:
                 continue
             rc = lw.worker.proc.poll()
             if rc is None:
-                try:
-                    mtime = lw.heartbeat.stat().st_mtime
-                except FileNotFoundError:
-                    continue  # not in the loop yet, or done with it: nothing to watch
-                if True:
-                    if not lw.included:
-                        lw.included, changed = True, True
-                    age = now - mtime
-                    if age > timeout:
-                        log.warning(
-                            "worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age
-                        )
-                        self.events.emit(
-                            "hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2)
-                        )
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(lw.worker.proc.pid, signal.SIGKILL)
+                self._watch(lw, now)
                 continue
             result = WorkerResult(slot, slot, lw.worker.proc.pid, rc, now)
             self.events.emit(
@@ -289,50 +261,55 @@ class LiveSupervisor:
             cause = read_cause(lw.worker, result).replace(node=self.node, worker_id=lw.worker_id)
             reap(lw.worker)
             del self.slots[slot]
-            self._count_failure(cause)
+            log.warning(
+                "worker %s failed (%s): %s; replacing it, survivors keep running",
+                cause.worker_id,
+                cause.describe(),
+                cause.message,
+            )
+            failures.append(cause)
             dead.append(slot)
+        epoch = self.epochs.current() if failures else None
         if dead and not any(other.finished for other in self.slots.values()):
             # (When some worker finished, training is complete: nothing left to replace.)
-            lost = self._state_lost()
+            lost = self._state_lost(epoch)
             if lost is not None:
                 self._fall_back(lost)
             for slot in dead:
                 self._fill(slot, include_now=lost is not None)
-            changed = True
         if self.slots and all(lw.finished for lw in self.slots.values()):
-            return 0
-        if self.pool is not None and self._settled():
-            # Not earlier: a spare importing torch would slow this node's workers' start.
-            self.pool.fill()
-        if changed or self._published is None or self.round is not None:
-            self.publish()
+            return LiveFinished()
+        if self.round is not None:
+            self.epochs.publish(self.round, self._included())
+        if failures:
+            return LiveFailed(tuple(failures), epoch.number if epoch is not None else 0)
         return None
 
-    def _settled(self) -> bool:
-        """Every worker of this node has reached the loop (or finished)."""
-        return all(lw.finished or lw.heartbeat.exists() for lw in self.slots.values())
+    def _watch(self, lw: LiveWorker, now_wall: float) -> None:
+        """A running worker: admit it once it reaches the loop; kill it when its heartbeat
+        is older than the heartbeat timeout (a frozen worker)."""
+        age = heartbeat_age(lw.heartbeat, now_wall)
+        if age is None:
+            return  # not in the loop yet, or done with it: nothing to watch
+        lw.included = True
+        if age > self.config.rendezvous.heartbeat_timeout_s:
+            log.warning("worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age)
+            self.events.emit("hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2))
+            kill_session(lw.worker.proc.pid)
 
-    def _state_lost(self) -> int | None:
+    def _state_lost(self, current: EpochRecord | None) -> int | None:
         """The number of the current epoch if no living worker can hold its state (every
         member died), else None. Another node's published workers count as holders: the
         workers themselves fall back if they turn out to have none (``live_plan``)."""
-        if self.store.get(self._formed_key) is None:
+        if current is None or not self.epochs.formed():
             return None  # no epoch has trained yet: nothing to lose
-        entry = self.store.get(self._epoch_key)
-        if entry is None:
+        if any(
+            lw.worker.proc.poll() is None and holds_state(lw.heartbeat)
+            for lw in self.slots.values()
+        ):
             return None
-        current = EpochRecord.decode(entry.value)
-        if any(lw.worker.proc.poll() is None and _holds_state(lw) for lw in self.slots.values()):
+        if self.epochs.others_hold(self.round, current):
             return None
-        prefix = f"flexrun/{self.config.run_id}/live/nodes/"
-        records = self.store.get_prefix(prefix)
-        others = self.round.members if self.round is not None else ()
-        for m in others:
-            rec = records.get(prefix + m.node_id)
-            if m.node_id == self.node or rec is None:
-                continue
-            if set(json.loads(rec.value)["workers"]) & set(current.members):
-                return None
         return current.number
 
     def _fall_back(self, epoch: int) -> None:
@@ -348,70 +325,43 @@ class LiveSupervisor:
         for lw in self.slots.values():
             lw.included = True
 
-    def _count_failure(self, cause: FailureCause) -> None:
-        entry = self.store.get(self._epoch_key)
-        epoch = EpochRecord.decode(entry.value).number if entry is not None else 0
-        log.warning(
-            "worker %s failed (%s): %s; replacing it, survivors keep running",
-            cause.worker_id,
-            cause.describe(),
-            cause.message,
+    def tend(self) -> None:
+        """Refill the warm pool once every worker of this node has reached the loop (a
+        spare importing torch earlier would slow their start)."""
+        if self.pool is not None and self.slots and self._settled():
+            self.pool.fill()
+
+    def _settled(self) -> bool:
+        now = self.clock.wall()
+        return all(
+            lw.finished or heartbeat_age(lw.heartbeat, now) is not None
+            for lw in self.slots.values()
         )
-        if epoch == self._counted_epoch:
-            return  # several deaths under one epoch are one incident
-        self._counted_epoch = epoch
-        self.events.emit("failure", **cause.to_dict())
-        self.rdzv.count_failure(cause)
 
-    # -- membership epochs --------------------------------------------------------------------
-    def publish(self) -> None:
-        """Publish this node's included workers and, if the job's list changed, a new epoch."""
-        if self.round is None:
-            return
-        mine = tuple(lw.worker_id for _, lw in sorted(self.slots.items()) if lw.included)
-        if self._published != (self.round.number, mine):
-            self.store.put(
-                self._node_key,
-                json.dumps({"round": self.round.number, "workers": list(mine)}).encode(),
-            )
-            self._published = (self.round.number, mine)
-        members: list[str] = []
-        prefix = f"flexrun/{self.config.run_id}/live/nodes/"
-        records = self.store.get_prefix(prefix)
-        for m in self.round.members:
-            entry = records.get(prefix + m.node_id)
-            if entry is not None:
-                members.extend(json.loads(entry.value)["workers"])
-        if not members:
-            return
-        entry = self.store.get(self._epoch_key)
-        current = EpochRecord.decode(entry.value) if entry is not None else None
-        if current is not None and current.members == tuple(members):
-            return
-        abort = current is not None and any(w not in members for w in current.members)
-        rec = EpochRecord((current.number + 1) if current else 1, tuple(members), abort)
-        ok, _ = self.store.compare_and_set(
-            self._epoch_key, rec.encode(), expected_revision=entry.revision if entry else 0
-        )
-        if ok:
-            self.events.emit(
-                "live_epoch",
-                epoch=rec.number,
-                members=list(rec.members),
-                abort=abort,
-                world_size=len(rec.members),
-            )
-            log.info(
-                "live epoch %d: %d worker(s)%s",
-                rec.number,
-                len(members),
-                " (abort)" if abort else "",
-            )
+    # -- stopping ----------------------------------------------------------------------------
+    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        procs = list(self.slots.values())
+        for lw in procs:
+            if lw.worker.proc.poll() is None:
+                kill_session(lw.worker.proc.pid, signal.SIGTERM)
+        deadline = self.clock.monotonic() + grace_s
+        for lw in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                lw.worker.proc.wait(timeout=max(0.001, deadline - self.clock.monotonic()))
+            reap(lw.worker)
+        if on_first_exit is not None:
+            # (Not earlier: a preempted live node's workers leave after a committed step,
+            # and the others re-form once this node is gone from the rendezvous.)
+            on_first_exit()
+        self._tee_done.set()
+        for lw in procs:
+            for t in lw.tees:
+                t.join(timeout=2)
+        self._tee_done = threading.Event()
+        self.slots.clear()
+        self.epochs.forget()
 
-
-def _holds_state(lw: LiveWorker) -> bool:
-    """The worker has joined an epoch (``LiveLoop`` marks its heartbeat file then)."""
-    try:
-        return lw.heartbeat.read_text().startswith(STATE_MARK)
-    except OSError:
-        return False
+    def close(self) -> None:
+        self.stop(0)

@@ -79,11 +79,6 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def doctor_command(args: argparse.Namespace) -> int:
-    doctor = importlib.import_module("flexrun.observe.doctor")
-    return int(doctor.run_doctor(args))
-
-
 def _rdzv_options(p: argparse.ArgumentParser) -> None:
     """The job's rendezvous options, defaulting from ``PET_*`` like ``flexrun run``."""
     from flexrun.config import env_default, process_environ

@@ -3,15 +3,13 @@
 Pure functions over text and numbers (no files, no processes, no clock): the caller reads
 the worker's error file (torch's ``@record`` format) and the tail of its stderr, this
 module turns them into a :class:`~flexrun.cause.FailureCause`, tells a failure of a
-worker's own from the echo of a peer's death, and picks the first of several.
+worker's own from the echo of a peer's death, and reads stack dumps.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from flexrun.cause import FailureCause
 from flexrun.exitcodes import PREEMPTED
@@ -29,9 +27,6 @@ _CONSEQUENCES = (
     "socket closed",
     "connection refused",
 )
-
-# Failures this close (seconds) to the first are candidates for having caused the others.
-SIMULTANEOUS_S = 1.0
 
 
 def parse_error_file(text: str) -> tuple[str, str] | None:
@@ -106,21 +101,6 @@ def is_consequence(cause: FailureCause) -> bool:
         return True
     text = f"{cause.message}\n{cause.traceback[-2000:]}".lower()
     return any(c in text for c in _CONSEQUENCES)
-
-
-T = TypeVar("T")
-
-
-def first_failure(
-    failed: Sequence[T], ended_at: Callable[[T], float], consequence: Callable[[T], bool]
-) -> T:
-    """The failure that caused the others: the earliest, preferring one that is not a
-    consequence among those within ``SIMULTANEOUS_S`` of it (a peer's death makes its
-    neighbours fail a few milliseconds later with "connection closed by peer")."""
-    first = min(failed, key=ended_at)
-    close = [f for f in failed if ended_at(f) - ended_at(first) < SIMULTANEOUS_S]
-    primary = [f for f in close if not consequence(f)]
-    return min(primary or close, key=ended_at)
 
 
 def in_collective(stack: str) -> bool:

@@ -64,10 +64,11 @@ import torch
 # that into a warm spare's boot (spares import this module), off a replacement's recovery.
 import torch._dynamo  # noqa: F401
 
-from flexrun.errors import CheckpointError, ConfigError
+from flexrun.errors import CheckpointError, ConfigError, LiveAborted, TrainingFinished
 from flexrun.events import EventLog
-from flexrun.live_protocol import STATE_MARK, EpochRecord, live_keys
-from flexrun.train.live_group import EpochGroup, LiveAborted, LiveEnv, TrainingFinished
+from flexrun.live_protocol import EpochRecord, LiveEnv, MemberReport, mark_state, touch_heartbeat
+from flexrun.train.live_durable import LiveDurability
+from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
 from flexrun.train.live_sync import broadcast_state, state_checksum
 
@@ -169,10 +170,12 @@ class LiveLoop:
         self._preempted = False
         self._flags = (0.0, 0.0)
         self._params = [p for p in model.parameters()]
-        self._ckpt: Any = None
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
         self.group = EpochGroup(self.env, timeout_s=timeout_s)
+        self.durable = LiveDurability(
+            checkpoint_dir, model=model, optimizer=optimizer, env=self.env, events=self.events
+        )
         self._stop_hb = threading.Event()
         self._hb = threading.Thread(
             target=self._heartbeat, name="flexrun-live-heartbeat", daemon=True
@@ -201,9 +204,7 @@ class LiveLoop:
 
     # -- plumbing -----------------------------------------------------------------------
     def _touch(self) -> None:
-        self.env.heartbeat_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.env.heartbeat_file, "a"):
-            os.utime(self.env.heartbeat_file)
+        touch_heartbeat(self.env.heartbeat_file)
 
     def _heartbeat(self) -> None:
         while not self._stop_hb.wait(self.env.heartbeat_interval_s):
@@ -247,8 +248,7 @@ class LiveLoop:
                 if self._preempted_all():
                     return
             self.group.mark_done(self.total_steps)
-            if self._ckpt is not None:
-                self._ckpt.wait()
+            self.durable.wait()
         finally:
             self._retire()
 
@@ -297,7 +297,7 @@ class LiveLoop:
         self.has_state = True
         self._flags = (float(buf[-2]), float(buf[-1]))
         if self.checkpoint_every and self.committed % self.checkpoint_every == 0 and self.rank == 0:
-            self._checkpointer().save(self.committed, extra={"step": self.committed})
+            self.durable.save(self.committed)
         if self._flags[0] > 0 and not self._flags[1] > 0:
             self._rejoin(reason="membership change at a step boundary")
         return True
@@ -309,9 +309,7 @@ class LiveLoop:
             return False
         if int(flags[1]) >= self.world_size:
             if self.rank == 0 and self.checkpoint_dir:
-                self._checkpointer().save(
-                    self.committed, extra={"step": self.committed}, blocking=True
-                )
+                self.durable.save(self.committed, blocking=True)
             self.events.emit("preempted", step=self.committed, rank=self.rank)
             self._retire()
             sys.exit(PREEMPTED_EXIT)
@@ -338,9 +336,11 @@ class LiveLoop:
                 after = rec.number
 
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
-        report: dict[str, Any] = {"step": self.committed, "has_state": self.has_state}
-        if self.has_state:
-            report["checksum"] = state_checksum(self.model)
+        report = MemberReport(
+            self.committed,
+            self.has_state,
+            state_checksum(self.model) if self.has_state else None,
+        )
         reports = self.group.agree(rec, report, has_state=self.has_state)
         plan = plan_recovery(reports, formed=self.group.formed_before())
         self.rank, self.world_size = self.group.form(rec)
@@ -348,7 +348,9 @@ class LiveLoop:
         error = None
         if plan.load_durable and self.rank == plan.source:
             try:
-                self._restore_durable(rec.number, plan.fallback)
+                self.committed = self.durable.restore(
+                    rec.number, plan.fallback, has_state=self.has_state
+                )
             except CheckpointError as exc:
                 error = str(exc)
         if plan.transfer:
@@ -382,66 +384,13 @@ class LiveLoop:
         if first:
             # Tells the agent that this worker holds live state (see LiveSupervisor).
             with contextlib.suppress(OSError):
-                self.env.heartbeat_file.write_text(STATE_MARK + "\n")
+                mark_state(self.env.heartbeat_file)
             self.group.mark_formed(rec.number)
-
-    # -- durability -------------------------------------------------------------------------
-    def _checkpointer(self) -> Any:
-        if self._ckpt is None:
-            if not self.checkpoint_dir:
-                raise CheckpointError("checkpoint_dir is not set")
-            from flexrun.train.checkpoint import Checkpointer
-            from flexrun.train.context import single_process_context
-
-            ctx = single_process_context(run_dir=self.env.run_dir, round=self.env.round)
-            self._ckpt = Checkpointer(self.checkpoint_dir, ctx=ctx, save_rng=False)
-            self._ckpt.register("model", self.model)
-            self._ckpt.register("optim", self.optimizer)
-        return self._ckpt
-
-    def _restore_durable(self, epoch: int, fallback: str | None) -> None:
-        """Restore the newest durable checkpoint into this (source) member, as restart mode
-        would: at the job's start (a resume), or because live state is lost or inconsistent
-        (``fallback`` says why; then the event log says so).
-
-        Raises:
-            CheckpointError: live state is inconsistent and there is no durable checkpoint
-                to fall back to, or checkpoints exist and none verifies.
-        """
-        loaded = self._checkpointer().load() if self.checkpoint_dir else None
-        if loaded is not None:
-            self.committed = int(loaded.extra.get("step", loaded.step))
-            self.has_state = True
-            source = "durable checkpoint"
-        elif fallback is not None and self.has_state:
-            # The weights in memory were trained past step 0 and some member's differ:
-            # there is nothing trustworthy to continue from.
-            raise CheckpointError(
-                f"{fallback}, and there is no durable checkpoint to fall back to"
-                f" (checkpoint_dir={self.checkpoint_dir!r})"
-            )
-        else:
-            # Fresh processes: their state is the script's initial state, as in a restart
-            # without a checkpoint.
-            self.committed = 0
-            source = "initial state (no durable checkpoint)"
-        if fallback is not None:
-            log.warning(
-                "live fallback in epoch %d: %s; resuming from %s at step %d",
-                epoch,
-                fallback,
-                source,
-                self.committed,
-            )
-            self.events.emit(
-                "live_fallback", epoch=epoch, reason=fallback, step=self.committed, source=source
-            )
 
     def close(self) -> None:
         """Wait for the last durable checkpoint and leave the live protocol. Idempotent."""
         self._retire()
-        if self._ckpt is not None:
-            self._ckpt.close()
+        self.durable.close()
 
 
 __all__ = [
@@ -450,7 +399,6 @@ __all__ = [
     "LiveEnv",
     "LiveLoop",
     "Step",
-    "live_keys",
     "split_share",
     "state_checksum",
 ]

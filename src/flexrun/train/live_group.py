@@ -11,65 +11,15 @@ step loop (``flexrun.train.live``).
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from flexrun.errors import ConfigError, FlexrunError
-from flexrun.live_protocol import EpochRecord, formed_key, live_keys
-from flexrun.train.live_plan import MemberReport
+from flexrun.errors import LiveAborted, TrainingFinished
+from flexrun.live_protocol import EpochRecord, LiveEnv, LiveKeys, MemberReport
 from flexrun.train.live_sync import leak
-
-
-class LiveAborted(FlexrunError):
-    """The current epoch ended under a step (a member died or the membership changed)."""
-
-
-class TrainingFinished(Exception):
-    """The job's members completed every step while this worker waited to join."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LiveEnv:
-    """What the agent tells a live worker (``FLEXRUN_LIVE_*``)."""
-
-    store_host: str
-    store_port: int
-    run_id: str
-    worker_id: str
-    heartbeat_file: Path
-    heartbeat_interval_s: float
-    run_dir: str | None
-    round: int
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> LiveEnv:
-        """Raises ConfigError when the script was not started by ``flexrun run --mode live``."""
-        if env.get("FLEXRUN_LIVE") != "1":
-            raise ConfigError(
-                "LiveLoop needs `flexrun run --mode live` (or auto mode with a script that uses it); "
-                "under torchrun or restart mode use the Checkpointer and ElasticSampler instead"
-            )
-        try:
-            host, _, port = env["FLEXRUN_LIVE_STORE"].rpartition(":")
-            return cls(
-                store_host=host,
-                store_port=int(port),
-                run_id=env["FLEXRUN_RUN_ID"],
-                worker_id=env["FLEXRUN_WORKER_ID"],
-                heartbeat_file=Path(env["FLEXRUN_LIVE_HEARTBEAT"]),
-                heartbeat_interval_s=float(env.get("FLEXRUN_LIVE_HEARTBEAT_INTERVAL", "0.5")),
-                run_dir=env.get("FLEXRUN_RUN_DIR") or None,
-                round=int(env.get("FLEXRUN_ROUND", "0")),
-            )
-        except (KeyError, ValueError) as exc:
-            raise ConfigError(f"live-mode environment incomplete or malformed: {exc}") from exc
 
 
 class EpochGroup:
@@ -85,9 +35,7 @@ class EpochGroup:
         """A growing epoch was published: switch at the next step boundary."""
         self._abandoned: list[Any] = []  # old groups are leaked on purpose, never aborted
         self._next_check = 0.0
-        self._epoch_key, self._ns = live_keys(env.run_id)
-        self._done_key = self._epoch_key.rsplit("/", 1)[0] + "/done"
-        self._formed_key = formed_key(env.run_id)
+        self.keys = LiveKeys(env.run_id)
         self._prefix: Any = None
 
         from flexrun.store.tcp import TcpStore
@@ -99,7 +47,7 @@ class EpochGroup:
 
     # -- the current epoch -------------------------------------------------------------------
     def read_epoch(self) -> EpochRecord | None:
-        entry = self.store.get(self._epoch_key)
+        entry = self.store.get(self.keys.epoch)
         return EpochRecord.decode(entry.value) if entry is not None else None
 
     def check_epoch(self, now: float) -> None:
@@ -171,15 +119,15 @@ class EpochGroup:
                 raise LiveAborted(
                     f"no new membership epoch after {after} within {self.timeout_s:g}s"
                 )
-            self.store.wait_for_change(self._epoch_key, since, 0.5)
+            self.store.wait_for_change(self.keys.epoch, since, 0.5)
 
     def check_finished(self, *, has_state: bool) -> None:
         """Raises TrainingFinished when this worker holds no state and the job is done."""
-        if not has_state and self.store.get(self._done_key) is not None:
+        if not has_state and self.store.get(self.keys.done) is not None:
             raise TrainingFinished()
 
     def agree(
-        self, rec: EpochRecord, report: dict[str, Any], *, has_state: bool
+        self, rec: EpochRecord, report: MemberReport, *, has_state: bool
     ) -> list[MemberReport]:
         """Post this worker's ``report`` in epoch ``rec`` and return every member's, in rank
         order, once all have arrived.
@@ -190,9 +138,9 @@ class EpochGroup:
             TrainingFinished: see ``check_finished``.
         """
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
-        prefix = dist.PrefixStore(f"{self._ns}{rec.number}/", self._raw)
-        prefix.set(f"ready/{rank}", json.dumps(report))
-        names = [f"ready/{r}" for r in range(world)]
+        prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
+        prefix.set(LiveKeys.ready(rank), report.encode())
+        names = [LiveKeys.ready(r) for r in range(world)]
         now = time.monotonic()
         deadline, look, pause = now + self.timeout_s, now + 0.2, 0.001
         # Polled with check(), never a short wait(): each timed-out wait() logs a c10d
@@ -218,15 +166,15 @@ class EpochGroup:
             time.sleep(pause)
             pause = min(pause * 1.5, 0.01)
         self._prefix = prefix
-        return [
-            MemberReport(int(d["step"]), bool(d["has_state"]), d.get("checksum"))
-            for d in (json.loads(bytes(v)) for v in prefix.multi_get(names))
-        ]
+        try:
+            return [MemberReport.decode(bytes(v)) for v in prefix.multi_get(names)]
+        except ValueError as exc:
+            raise LiveAborted(f"epoch {rec.number}: {exc}") from exc
 
     def form(self, rec: EpochRecord) -> tuple[int, int]:
         """A fresh process group for epoch ``rec`` (after ``agree``); returns (rank, world)."""
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
-        prefix = self._prefix or dist.PrefixStore(f"{self._ns}{rec.number}/", self._raw)
+        prefix = self._prefix or dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
         self.pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=self.timeout_s))
         self.epoch = rec
         self.pending_change = False
@@ -236,13 +184,13 @@ class EpochGroup:
     # -- job-wide markers ---------------------------------------------------------------------
     def formed_before(self) -> bool:
         """Some epoch of this job has formed before (so someone once held state)."""
-        return self.store.get(self._formed_key) is not None
+        return self.store.get(self.keys.formed) is not None
 
     def mark_formed(self, epoch: int) -> None:
-        self.store.put(self._formed_key, str(epoch).encode())
+        self.store.put(self.keys.formed, str(epoch).encode())
 
     def mark_done(self, steps: int) -> None:
-        self.store.put(self._done_key, str(steps).encode())
+        self.store.put(self.keys.done, str(steps).encode())
 
 
 __all__ = ["EpochGroup", "LiveAborted", "LiveEnv", "TrainingFinished"]

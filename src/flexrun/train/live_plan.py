@@ -18,14 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class MemberReport:
-    """What one member posts when it arrives in an epoch."""
-
-    step: int
-    has_state: bool
-    checksum: str | None = None
+from flexrun.live_protocol import MemberReport
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,7 +103,7 @@ class Pods:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "flexrun", "run", *args],
                 env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+            )  # fmt: skip
         self.procs[name] = proc
         return proc
 
@@ -136,7 +136,7 @@ def flexrun_store(tmp_path: Path) -> Iterator[int]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flexrun", "store", "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        )  # fmt: skip
     try:
         _wait_for(lambda: b"listening" in (tmp_path / "store.log").read_bytes(), 30, "the store")
         yield port
@@ -192,7 +192,7 @@ def test_rendered_pods_form_one_job_survive_a_spot_reclaim_and_scale_back_up(
                              "last_call_timeout": "0.5", "join_timeout": "120"},
             },
         }
-    )
+    )  # fmt: skip
     (job,) = [d for d in render(spec) if d["kind"] == "PyTorchJob"]
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "ExitCode"
     pods = Pods(job, tmp_path, dns={"sim-store": "127.0.0.1"})
@@ -235,7 +235,7 @@ def test_operator_env_for_the_rendered_job_carries_every_launcher_setting() -> N
             "spec": {"image": "i", "script": "t.py", "nnodes": "2:5", "nprocPerNode": 4,
                      "store": {"type": "etcd"}, "maxRestarts": 2, "rdzvConf": {"join_timeout": "90"}},
         }
-    )
+    )  # fmt: skip
     (job,) = [d for d in render(spec) if d["kind"] == "PyTorchJob"]
     assert operator_env(job) == {
         "PYTHONUNBUFFERED": "1",

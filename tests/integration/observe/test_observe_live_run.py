@@ -26,8 +26,9 @@ from support import (
     wait_for,
 )
 
+from flexrun.observe.analysis import analyze, load_events
 from flexrun.observe.metrics import AgentMetrics, EventFollower, EventMetrics
-from flexrun.observe.report import LOST_PNG, REPORT_FILE, TIMELINE_PNG, analyze, load_events
+from flexrun.observe.report import LOST_PNG, REPORT_FILE, TIMELINE_PNG
 
 TRAIN = Path(__file__).parent / "scripts" / "train_events.py"
 

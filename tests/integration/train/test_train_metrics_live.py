@@ -62,7 +62,7 @@ def test_live_metrics_survive_a_peer_killed_inside_the_metrics_all_reduce(
          str(STEPS), str(EVERY), str(DIE_AT), str(tmp_path / "died")],
         env={"OMP_NUM_THREADS": "1"},
         name="agent",
-    )
+    )  # fmt: skip
     assert agent.wait(timeout=240) == 0, procs.stderr("agent")[-3000:]
     assert (tmp_path / "died").exists(), "no worker died inside the metrics all-reduce"
 

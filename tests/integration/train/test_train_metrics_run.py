@@ -13,8 +13,9 @@ import pytest
 from support import Procs, free_port, read_events, scrape_metrics, wait_for
 from train_support import EXAMPLE, Launcher
 
+from flexrun.observe.analysis import analyze, load_events
 from flexrun.observe.metrics import serve_run_metrics
-from flexrun.observe.report import REPORT_FILE, analyze, load_events
+from flexrun.observe.report import REPORT_FILE
 
 WORKER = textwrap.dedent(
     """
@@ -82,7 +83,7 @@ def test_the_example_under_flexrun_run_serves_and_writes_its_training_metrics(
          "--ckpt-dir", str(tmp_path / "ck"), "--metrics-every", "10", "--step-sleep", "0.03"],
         env={"OMP_NUM_THREADS": "1"},
         name="agent",
-    )
+    )  # fmt: skip
 
     def steps_served() -> float:
         if agent.poll() is not None:
@@ -108,7 +109,7 @@ def test_the_example_under_flexrun_run_serves_and_writes_its_training_metrics(
     res = subprocess.run(
         [sys.executable, "-m", "flexrun", "report", str(run_dir)],
         capture_output=True, text=True, timeout=120,
-    )
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert (run_dir / REPORT_FILE).exists()
     analysis = analyze(load_events([run_dir]))

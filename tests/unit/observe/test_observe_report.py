@@ -12,13 +12,11 @@ import pytest
 
 from flexrun.cli import main
 from flexrun.errors import ConfigError
+from flexrun.observe.analysis import analyze, find_event_files, load_events
 from flexrun.observe.report import (
     LOST_PNG,
     REPORT_FILE,
     TIMELINE_PNG,
-    analyze,
-    find_event_files,
-    load_events,
     throughput_segments,
     write_report,
 )

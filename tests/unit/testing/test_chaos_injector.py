@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flexrun.testing.chaos import RDZV_CONF, ChaosJob, Fault, JobSpec
+from flexrun.testing.chaos_job import RDZV_CONF, ChaosJob, JobSpec
+from flexrun.testing.chaos_schedule import Fault
 
 # Exits on SIGTERM only after a while, as an agent does while its workers save and stop.
 SLOW_EXIT = (

@@ -16,7 +16,7 @@ def _line(step: int, rnd: int, rank: int, world: int, ids: list[int], ts: float)
     return {
         "t0": ts - 0.1, "ts": ts, "round": rnd, "world": world, "rank": rank, "step": step,
         "epoch": (step - 1) * G // SAMPLES, "ids": ids, "pid": 100 * rnd + rank,
-    }
+    }  # fmt: skip
 
 
 def _clean_run() -> list[dict]:
@@ -27,7 +27,7 @@ def _clean_run() -> list[dict]:
         _line(2, 1, 0, 1, [4, 5, 6, 7], 5.0),
         _line(3, 1, 0, 1, [3, 1, 0, 2], 6.0),
         _line(4, 1, 0, 1, [7, 6, 5, 4], 7.0),
-    ]
+    ]  # fmt: skip
 
 
 def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from flexrun.live_protocol import EpochRecord, live_keys
+from flexrun.live_protocol import EpochRecord, LiveKeys
 from flexrun.store.tcp import TcpStoreServer
 from flexrun.train.live_group import EpochGroup, LiveAborted, LiveEnv, TrainingFinished
 from flexrun.train.live_plan import MemberReport
@@ -41,7 +41,7 @@ def _env(port: int, worker: str, tmp: Path) -> LiveEnv:
 
 
 def _publish(group: EpochGroup, rec: EpochRecord) -> None:
-    group.store.put(live_keys("unit")[0], rec.encode())
+    group.store.put(LiveKeys("unit").epoch, rec.encode())
 
 
 def _run_all(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -72,8 +72,8 @@ def test_members_agree_on_every_report_in_rank_order(
     _publish(a, rec)
     got = _run_all(
         [
-            lambda: a.agree(rec, {"step": 5, "has_state": True, "checksum": "x"}, has_state=True),
-            lambda: b.agree(rec, {"step": 0, "has_state": False}, has_state=False),
+            lambda: a.agree(rec, MemberReport(5, True, "x"), has_state=True),
+            lambda: b.agree(rec, MemberReport(0, False), has_state=False),
         ]
     )
     expected = [MemberReport(0, False, None), MemberReport(5, True, "x")]
@@ -95,7 +95,7 @@ def test_a_newer_epoch_ends_an_agreement_that_cannot_complete(
     timer.start()
     try:
         with pytest.raises(LiveAborted, match="epoch 2 superseded 1"):
-            a.agree(rec, {"step": 3, "has_state": True, "checksum": "x"}, has_state=True)
+            a.agree(rec, MemberReport(3, True, "x"), has_state=True)
     finally:
         timer.cancel()
 
@@ -139,7 +139,7 @@ def test_broadcast_hands_the_source_state_to_every_member(
         models.append(m)
         opts.append(o)
     assert len({state_checksum(m) for m in models}) == 3
-    report = {"step": 0, "has_state": False}
+    report = MemberReport(0, False)
     _run_all([lambda g=g: g.agree(rec, report, has_state=False) for g in groups])
     _run_all([lambda g=g: g.form(rec) for g in groups])
     steps = _run_all(

@@ -1,0 +1,254 @@
+"""Restart mode's runner (torchrun semantics): every round starts this node's workers afresh.
+
+Owns the worker group of the current round: building each rank's environment, taking
+warm spares for it, hang detection without the script's help beyond
+``report_progress`` files, and turning worker exits into the policy's ``Exited`` event
+(each failure with its root cause). It does not decide what a failure means
+(:mod:`flexrun.agent.policy`) nor talk to the store except to learn the round's master.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.policy import Exited, WorkerExit, blame_hang
+from flexrun.agent.runner import RoundStart
+from flexrun.agent.spec import worker_envs
+from flexrun.config import RunConfig
+from flexrun.events import EventLog
+from flexrun.proc import Worker, WorkerGroup, build_command, kill_session
+from flexrun.proc.diagnose import in_collective, is_consequence
+from flexrun.proc.stacks import capture_stacks
+from flexrun.rendezvous.state import MasterRecord, RoundRecord
+from flexrun.spares.pool import WarmPool, assign
+
+log = logging.getLogger("flexrun.agent")
+
+RESTART_GRACE_S = 2.0
+"""A restart stops workers that may be blocked in a collective with a dead peer: they will
+not reach a clean exit, so do not wait long before SIGKILL."""
+SPARE_DELAY_S = 3.0
+"""Warm spares are started this long after a round's cold workers, so that they do not
+compete with the workers' own start-up (interpreter and torch import) for CPU. Workers that
+came from spares have no such start-up: the pool is refilled at once after them (otherwise
+a round that fails within the delay, as under a stream of faults, waits a whole spare boot
+for its replacement; ~1.8 s on this machine, seen in the long chaos run)."""
+SPARE_BOOT_WAIT_S = 10.0
+"""A spare still importing torch will be ready before a process started now: wait this long."""
+
+
+class RestartRunner:
+    """This node's workers, restarted every round."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        node_id: str,
+        events: EventLog,
+        masters: Callable[[RoundRecord], MasterRecord | None],
+        pool: WarmPool | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.events = events
+        self.masters = masters
+        self.pool = pool
+        self.clock = clock
+        self.group: WorkerGroup | None = None
+        self.round: RoundRecord | None = None
+        self.runs = 0
+        """Rounds started so far (TORCHELASTIC_RESTART_COUNT of the next one)."""
+        self._started_at = 0.0
+        self._cold_workers = 0  # workers of the current round not taken from the warm pool
+        self._command = build_command(
+            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None
+
+    # -- rounds ------------------------------------------------------------------------------
+    def run_round(self, rnd: RoundRecord) -> RoundStart | None:
+        if self.group is not None:
+            log.info("round %d (%s): restarting workers", rnd.number, rnd.reason)
+            self.events.emit("restart", round=rnd.number, reason=rnd.reason)
+            self.stop(RESTART_GRACE_S)
+        t0 = self.clock.monotonic()
+        self.events.emit("rendezvous_started", round=rnd.number)
+        master = self.masters(rnd)
+        if master is None:
+            return None  # the round moved on while we waited; the next step re-decides
+        self.events.round = rnd.number
+        c = self.config
+        envs = worker_envs(
+            base=c.environ,
+            rnd=rnd,
+            node_id=self.node_id,
+            nproc=c.nproc_per_node,
+            master=master,
+            role=c.role,
+            run_id=c.run_id,
+            run_dir=c.run_dir,
+            restart_count=self.runs,
+            max_restarts=c.rendezvous.max_restarts,
+        )
+        log_dir = (c.log_dir or (c.run_dir / "logs")) / f"round_{rnd.number}"
+        self._cold_workers = 0
+        if c.hang_timeout_s > 0:
+            for env in envs:
+                wdir = log_dir / f"rank_{env['RANK']}"
+                env["FLEXRUN_PROGRESS_FILE"] = str(wdir / "progress")
+                env["FLEXRUN_STACK_FILE"] = str(wdir / "stacks.txt")
+        self.group = WorkerGroup.start(
+            self._command,
+            envs,
+            log_dir,
+            console_streams=c.console_streams,
+            warm=self._warm if self.pool is not None else None,
+        )
+        self.round = rnd
+        self.runs += 1
+        self._started_at = self.clock.monotonic()
+        self.events.emit(
+            "rendezvous_completed",
+            round=rnd.number,
+            members=rnd.member_ids,
+            world_size=rnd.world_size(),
+            group_rank=rnd.group_rank(self.node_id),
+            duration_s=round(self.clock.monotonic() - t0, 4),
+            reason=rnd.reason,
+        )
+        for w in self.group.workers:
+            self.events.emit("worker_started", rank=w.rank, local_rank=w.local_rank, pid=w.proc.pid)
+        base = rnd.rank_base(self.node_id)
+        log.info(
+            "round %d: %d node(s), world size %d, ranks %d-%d here",
+            rnd.number,
+            len(rnd.members),
+            rnd.world_size(),
+            base,
+            base + c.nproc_per_node - 1,
+        )
+        return RoundStart.FRESH
+
+    def _warm(
+        self, env: Mapping[str, str], wdir: Path, rank: int, local_rank: int
+    ) -> Worker | None:
+        """A warm spare for ``rank``, or None (then the worker is started fresh)."""
+        assert self.pool is not None
+        w = self.pool.take(wait_s=SPARE_BOOT_WAIT_S)
+        if w is None:
+            self._cold_workers += 1
+            return None
+        c = self.config
+        return assign(
+            w,
+            env=env,
+            entry=c.entrypoint,
+            args=c.args,
+            module=c.module,
+            rank=rank,
+            local_rank=local_rank,
+            log_dir=wdir,
+        )
+
+    # -- monitoring --------------------------------------------------------------------------
+    def poll(self) -> Exited | None:
+        if self.group is None:
+            return None
+        if self.config.hang_timeout_s > 0:
+            self._detect_hangs(self.group)
+        results = self.group.poll()
+        if not results:
+            return None
+        exits = []
+        for r in results:
+            cause = self.group.cause(r).replace(node=self.node_id) if r.returncode else None
+            exits.append(
+                WorkerExit(
+                    r.rank,
+                    r.exit_code,
+                    r.ended_at,
+                    local_rank=r.local_rank,
+                    pid=r.pid,
+                    signal=r.signal_name,
+                    cause=cause,
+                    consequence=cause is not None and is_consequence(cause),
+                )
+            )
+        peers = len(self.round.members) if self.round is not None else 1
+        return Exited(tuple(exits), self.group.all_done(), peers)
+
+    def _detect_hangs(self, group: WorkerGroup) -> None:
+        """A rank that reported progress once and then none for --hang-timeout is hung:
+        capture every local worker's stacks, record them, and fail the rank to blame."""
+        now = self.clock.wall()
+        silent: dict[int, float] = {}
+        for w in group.workers:
+            if w.result is not None or w.proc.poll() is not None:
+                continue
+            try:
+                age = now - (w.log_dir / "progress").stat().st_mtime
+            except FileNotFoundError:
+                continue  # the script does not report progress: nothing to judge
+            if age > self.config.hang_timeout_s:
+                silent[w.rank] = age
+        if not silent:
+            return
+        alive = [w for w in group.workers if w.proc.poll() is None]
+        stacks = {w.rank: capture_stacks(w.proc.pid, w.log_dir / "stacks.txt") for w in alive}
+        blamed = blame_hang(silent, {r: in_collective(s) for r, s in stacks.items()})
+        w = next(x for x in alive if x.rank == blamed)
+        hang_dir = self.config.run_dir / "hangs"
+        hang_dir.mkdir(parents=True, exist_ok=True)
+        path = hang_dir / f"round_{self.round.number if self.round else 0}_rank_{blamed}.txt"
+        path.write_text(
+            "".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(stacks.items()))
+        )
+        log.error(
+            "rank %d made no progress for %.1fs: stacks in %s; treating it as failed",
+            blamed,
+            silent[blamed],
+            path,
+        )
+        self.events.emit(
+            "hang_detected",
+            rank=blamed,
+            pid=w.proc.pid,
+            silent_s=round(silent[blamed], 2),
+            silent_ranks=sorted(silent),
+            stacks_file=str(path),
+            stacks=stacks.get(blamed, "")[-20000:],
+        )
+        w.note = f"hang: no progress for {silent[blamed]:.1f}s (stacks: {path})"
+        kill_session(w.proc.pid)
+        w.proc.wait()
+
+    def tend(self) -> None:
+        if self.pool is None or not self.runs:
+            return
+        if (
+            self.group is None
+            or self._cold_workers == 0
+            or self.clock.monotonic() - self._started_at >= SPARE_DELAY_S
+        ):
+            self.pool.fill()
+
+    # -- stopping ----------------------------------------------------------------------------
+    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.stop(grace_s, on_first_exit=on_first_exit)
+        elif on_first_exit is not None:
+            on_first_exit()
+
+    def close(self) -> None:
+        self.stop(0)
+        if self.pool is not None:
+            self.pool.close()

@@ -1,0 +1,74 @@
+"""The Runner protocol: this node's workers under one recovery mode.
+
+Owns the seam between the agent's loop (rendezvous, policy, signals, outages) and the
+two ways of running workers: :class:`flexrun.agent.restart.RestartRunner` (torchrun
+semantics: every round starts the workers afresh) and
+:class:`flexrun.agent.live.LiveRunner` (workers survive rounds; a dead one is replaced).
+The mode is chosen once, when the agent is built; nothing else branches on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Protocol
+
+from flexrun.agent.policy import Event
+from flexrun.rendezvous.state import RoundRecord
+
+
+class RoundStart(enum.Enum):
+    """What :meth:`Runner.run_round` did."""
+
+    FRESH = "fresh"
+    """New worker processes started (those of an earlier round, if any, were stopped)."""
+    CONTINUED = "continued"
+    """The running workers carry on in the new round (live mode)."""
+
+
+class Runner(Protocol):
+    """This node's workers for the whole job."""
+
+    @property
+    def active(self) -> bool:
+        """Workers of this node run (or are being replaced)."""
+        ...
+
+    def run_round(self, rnd: RoundRecord) -> RoundStart | None:
+        """Make this node's workers train in round ``rnd`` (a member of it).
+
+        Restart mode stops the workers of an earlier round and starts new ones; live mode
+        starts them once, later only publishes the new membership. Emits the round's
+        ``rendezvous_completed`` and each ``worker_started``. Returns None when the round
+        moved on before the workers could start (the caller steps the rendezvous again).
+
+        Raises:
+            StoreUnavailable: the store failed while the round was being set up.
+            OSError: a worker process could not be started.
+        """
+        ...
+
+    def poll(self) -> Event | None:
+        """Check the workers (and act on what the mode owns: hangs, replacements).
+
+        Returns the policy event to feed (restart: :class:`~flexrun.agent.policy.Exited`
+        when any worker has ended; live: ``LiveFailed`` / ``LiveFinished``), or None.
+
+        Raises:
+            StoreUnavailable: live mode could not publish a membership change.
+        """
+        ...
+
+    def tend(self) -> None:
+        """Housekeeping between polls, when nothing else is urgent (refill warm spares)."""
+        ...
+
+    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+        """SIGTERM the workers, SIGKILL after ``grace_s``, reap them. ``on_first_exit``
+        runs once, when the first worker has gone. Never raises for processes that are
+        already gone."""
+        ...
+
+    def close(self) -> None:
+        """Stop everything this runner started (spares too). Idempotent."""
+        ...

@@ -1,0 +1,176 @@
+"""The layering of src/flexrun, asserted on its real imports (docs/architecture.md, Layers).
+
+Every import of a flexrun module by another (at any depth in a module, lazy imports in
+functions too) is an arrow between two units: a subpackage (``agent``, ``store``...) or a
+top-level module (``config``, ``events``...). Each unit may import only the units listed
+for it below, and the graph of units has no cycle, so no two packages point at each
+other and nothing imports upward. A new arrow is a decision: add it here, with a reason,
+and to docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "flexrun"
+
+BASE = {"errors", "_clock", "cause", "exitcodes", "__init__"}  # (__init__: __version__)
+
+ALLOWED: dict[str, set[str]] = {
+    # The base: imported by everything, importing (almost) nothing.
+    "errors": set(),
+    "_clock": set(),
+    "cause": set(),
+    "exitcodes": set(),
+    "__init__": {"errors"},
+    "events": {"_clock"},
+    "live_protocol": {"errors"},
+    "config": {"errors"},
+    "_cmdutil": {"errors"},
+    # Below the agent.
+    "store": BASE | {"config", "events"},
+    "rendezvous": BASE | {"config", "events", "store"},
+    "proc": BASE,
+    "spares": BASE | {"proc", "train"},  # (train: the spare pre-imports what workers use)
+    # The training library runs inside workers: never agent, proc or spares.
+    "train": BASE | {"config", "events", "live_protocol", "store"},
+    # Users of the layers below.
+    "agent": BASE
+    | {"config", "events", "live_protocol", "observe", "proc", "rendezvous", "spares", "store"},
+    "observe": BASE | {"_cmdutil", "config", "events", "rendezvous", "store"},
+    "k8s": BASE | {"_cmdutil", "config"},
+    "pipeline": BASE | {"_cmdutil", "config", "k8s", "train"},  # (k8s: Argo pod specs)
+    "testing": BASE
+    | {
+        "_cmdutil",
+        "agent",
+        "config",
+        "events",
+        "live_protocol",
+        "proc",
+        "rendezvous",
+        "store",
+        "train",
+    },
+    # Entry points.
+    "cli": {"*"},
+    "__main__": {"cli"},
+    "warm_agent": BASE | {"agent", "cli", "spares"},
+}
+
+
+def unit_of(module: str) -> str:
+    """``flexrun.agent.live`` -> ``agent``; ``flexrun.config`` -> ``config``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every flexrun module ``path`` imports (absolute and relative, anywhere)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "flexrun"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] == "flexrun":
+                out.add(mod)
+    return out
+
+
+def unit_graph() -> dict[str, dict[str, set[str]]]:
+    """unit -> imported unit -> the modules (files) responsible."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        src = unit_of(module_name(path))
+        for mod in imports_of(path):
+            dst = unit_of(mod)
+            if dst != src:
+                graph.setdefault(src, {}).setdefault(dst, set()).add(module_name(path))
+    return graph
+
+
+def test_every_unit_is_known() -> None:
+    units = {unit_of(module_name(p)) for p in SRC.rglob("*.py")}
+    unknown = units - set(ALLOWED)
+    assert not unknown, f"new units need a line in ALLOWED (tests/test_layers.py): {unknown}"
+
+
+def test_no_import_runs_against_the_layers() -> None:
+    bad = [
+        f"{src} -> {dst} (in {', '.join(sorted(files))})"
+        for src, dsts in unit_graph().items()
+        for dst, files in dsts.items()
+        if "*" not in ALLOWED.get(src, set()) and dst not in ALLOWED.get(src, set())
+    ]
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_no_two_units_import_each_other_even_through_others() -> None:
+    graph = {s: set(d) for s, d in unit_graph().items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(u: str, path: list[str]) -> bool:
+        state[u] = 1
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                cycle.extend([*path[path.index(v) :], v] if v in path else [u, v])
+                return True
+            if state.get(v) is None and visit(v, [*path, v]):
+                return True
+        state[u] = 2
+        return False
+
+    for u in sorted(graph):
+        if state.get(u) is None and visit(u, [u]):
+            break
+    assert not cycle, "import cycle between units: " + " -> ".join(cycle)
+
+
+def test_the_training_library_imports_nothing_of_the_agent_side() -> None:
+    train = unit_graph().get("train", {})
+    assert not {"agent", "spares", "proc", "cli"} & set(train), train
+
+
+def test_the_graph_is_read_from_real_imports() -> None:
+    # (A walker that found nothing would pass every test above.)
+    graph = unit_graph()
+    assert "rendezvous" in graph["agent"] and "store" in graph["rendezvous"]
+    assert "events" in graph["rendezvous"]
+
+
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+
+
+def test_no_module_or_class_outgrows_its_budget() -> None:
+    """STYLE.md's size budget: a module past 500 lines or a class past 300 is split."""
+    big = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n") + (not text.endswith("\n"))
+        if lines > MAX_MODULE_LINES:
+            big.append(f"{module_name(path)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    big.append(f"{module_name(path)}.{node.name}: {size} lines")
+    assert not big, "over the size budget:\n" + "\n".join(big)
