@@ -154,15 +154,20 @@ class Procs:
 
     def workers(self, launcher: subprocess.Popen) -> list[psutil.Process]:
         try:
-            kids = psutil.Process(launcher.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
+            me = psutil.Process(launcher.pid)
+            kids = me.children(recursive=True)
+            own = me.cmdline()
+        except psutil.Error:
             return []
         out = []
         for k in kids:
             self.seen.setdefault(k.pid, k)
             try:
-                cl = " ".join(k.cmdline())
-                if WORKLOAD.name in cl or LIVE_WORKLOAD.name in cl:
+                cmdline = k.cmdline()
+                cl = " ".join(cmdline)
+                # (A child with the launcher's own command line is a fork that has not yet
+                # exec'd, e.g. a warm spare being started: not a worker.)
+                if cmdline != own and (WORKLOAD.name in cl or LIVE_WORKLOAD.name in cl):
                     out.append(k)
             except psutil.Error:
                 continue
