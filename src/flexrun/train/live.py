@@ -7,7 +7,7 @@ process group per epoch, and the per-step data split that keeps the global batch
 sample order independent of the world size. It does not decide membership (the agents do,
 in ``flexrun.agent.live``) and does not read the environment beyond ``LiveEnv``.
 
-How a recovery works (ARCHITECTURE.md, "Live mode: facts measured here"):
+How a recovery works (the live-mode facts measured on gloo are in docs/architecture.md):
 
 1. The agents publish ``live/epoch`` = (epoch number, member worker ids in rank order,
    abort flag). A dead or frozen worker's agent publishes a new epoch at once.
