@@ -37,7 +37,7 @@ JSON line per step body) for live mode. Same ``--step-time``.
 Every process started is killed at the end of each trial (its process group, then any
 descendant seen during the trial, then any process whose command line names the trial's
 directory or that is a warm spare of its run directory, e.g. orphaned
-``flexrun.train.spare`` processes); every wait is bounded; ports come from the OS.
+``flexrun.spares.spare`` processes); every wait is bounded; ports come from the OS.
 
     python bench/bench_recovery.py --trials 5
 """
@@ -154,15 +154,20 @@ class Procs:
 
     def workers(self, launcher: subprocess.Popen) -> list[psutil.Process]:
         try:
-            kids = psutil.Process(launcher.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
+            me = psutil.Process(launcher.pid)
+            kids = me.children(recursive=True)
+            own = me.cmdline()
+        except psutil.Error:
             return []
         out = []
         for k in kids:
             self.seen.setdefault(k.pid, k)
             try:
-                cl = " ".join(k.cmdline())
-                if WORKLOAD.name in cl or LIVE_WORKLOAD.name in cl:
+                cmdline = k.cmdline()
+                cl = " ".join(cmdline)
+                # (A child with the launcher's own command line is a fork that has not yet
+                # exec'd, e.g. a warm spare being started: not a worker.)
+                if cmdline != own and (WORKLOAD.name in cl or LIVE_WORKLOAD.name in cl):
                     out.append(k)
             except psutil.Error:
                 continue
@@ -181,7 +186,7 @@ class Procs:
                 if proc.info["uids"].real != me:
                     continue
                 cl = " ".join(proc.info["cmdline"] or [])
-                spare = "flexrun.train.spare" in cl and proc.environ().get(
+                spare = "flexrun.spares.spare" in cl and proc.environ().get(
                     "FLEXRUN_SPARE_READY", ""
                 ).startswith(tag)
                 if tag in cl or spare:

@@ -161,7 +161,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     config = run_config_from_args(ns, ns.environ)
     if config.spares_dir is not None and ns.delegate:
         # The node's `flexrun spares` may hold an agent with its imports done: run there.
-        from flexrun.agent.adopt import run_in_warm_agent
+        from flexrun.spares.client import run_in_warm_agent
 
         code = run_in_warm_agent(config.spares_dir, ns.argv)
         if code is not None:
@@ -234,8 +234,8 @@ def _cmd_spares(ns: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from flexrun.agent.adopt import query_status
-    from flexrun.agent.nodepool import SparesDaemon
+    from flexrun.spares.client import query_status
+    from flexrun.spares.daemon import SparesDaemon
 
     root = Path(ns.dir).absolute()
     if ns.status:

@@ -58,3 +58,16 @@ class CheckpointError(FlexrunError):
 
 class SpecError(ConfigError):
     """A spec file (Kubernetes job, pipeline) is invalid; the message names the field."""
+
+
+class SparesError(FlexrunError):
+    """An exchange with a node's warm interpreters (``flexrun spares``) failed."""
+
+
+class SparesUntrusted(SparesError):
+    """The spares directory or a socket in it is not this user's alone (wrong owner or mode,
+    a symlink, not a directory, a peer of another uid): nothing is sent to it."""
+
+
+class SparesProtocolError(SparesError):
+    """A request or reply on a spares socket (or a spare's assignment) is malformed."""

@@ -100,7 +100,7 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
             spare_pids = {
                 p.pid
                 for p in descendants(agent.pid)
-                if "flexrun.train.spare" in " ".join(p.cmdline())
+                if "flexrun.spares.spare" in " ".join(p.cmdline())
             }
         victim = rng.choice(pids)
         os.kill(victim, signal.SIGKILL)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from live_support import start_live_node, step_rows, wait_step
+from squatter_support import chown_nobody, need_root_and_nobody, squatter
 from support import Procs, alive_pids, read_events, wait_for
 
 SCRIPT = """
@@ -172,27 +174,127 @@ def test_workers_outlive_the_daemon_and_keep_their_exit_codes(procs: Procs) -> N
     assert agent.wait(timeout=120) == 0, (procs.tmp / "cold.err").read_text()[-3000:]
 
 
-@pytest.mark.timeout(120)
+def _flexrun(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flexrun", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+    )
+
+
+def _hostile(root: Path, data: bytes, *, close: bool = True) -> socket.socket | dict:
+    """Send ``data`` to the daemon: its answer (``close=False``: the open connection)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(root / "pool.sock"))
+    s.sendall(data)
+    if not close:
+        return s
+    with s:
+        if not data.endswith(b"\n"):
+            s.shutdown(socket.SHUT_WR)
+        return dict(json.loads(s.makefile("rb").readline()))
+
+
+@pytest.mark.timeout(180)
 def test_bad_input_is_one_line_and_a_second_daemon_is_refused(procs: Procs) -> None:
     root = procs.tmp / "spares"
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "flexrun", *args], capture_output=True, text=True, timeout=60
-        )
-
+    afile = procs.tmp / "afile"
+    afile.write_text("")
+    wide = procs.tmp / "wide"
+    wide.mkdir()
+    os.chmod(wide, 0o755)
+    link = procs.tmp / "link"
+    link.symlink_to(wide)
     for args, needle in (
         (["spares", "--dir", str(root), "--count", "0"], "--count 0"),
         (["spares", "--dir", str(root), "--refill-delay", "-1"], "--refill-delay"),
+        (["spares", "--dir", str(root), "--refill-delay", "nan"], "--refill-delay"),
         (["spares", "--dir", str(root), "--status"], "no `flexrun spares` serves"),
+        (["spares", "--dir", str(afile)], "is not a directory"),
+        (["spares", "--dir", str(afile), "--status"], "is not a directory"),
+        (["spares", "--dir", str(wide)], "has mode 0755: it must be 0700 (chmod 700"),
+        (["spares", "--dir", str(link)], "is a symlink"),
     ):
-        res = run(*args)
+        res = _flexrun(*args)
         assert res.returncode == 2 and needle in res.stderr, res.stderr
         assert res.stderr.count("\n") == 1, res.stderr
+    assert not list(wide.iterdir())  # refused, not "fixed" nor used
     start_spares(procs, root, 1)
-    res = run("spares", "--dir", str(root))
+    res = _flexrun("spares", "--dir", str(root))
     assert res.returncode == 2 and "already serves" in res.stderr, res.stderr
     assert status(root)["ready"] == 1  # the first daemon is untouched
+
+
+@pytest.mark.timeout(180)
+def test_the_daemon_answers_hostile_requests_with_errors_and_serves_on(procs: Procs) -> None:
+    root = procs.tmp / "spares"
+    daemon = start_spares(procs, root, 1)
+    silent = _hostile(root, b"", close=False)  # connects and never sends
+    assert isinstance(silent, socket.socket)
+    for data in (
+        b"[1, 2]\n",
+        b"null\n",
+        b'{"op": ["take"]}\n',
+        b'{"op": "take", "count": "1", "interpreter": "x"}\n',
+        b'{"op": "take", "count": 1e400, "interpreter": "x"}\n',
+        b"\x80\x04\x95\x00garbage\xff\n",
+        b"[" * 50_000 + b"\n",
+        b"z" * 100_000,
+        b'{"op": "status"',
+    ):
+        reply = _hostile(root, data)
+        assert isinstance(reply, dict) and set(reply) == {"error"}, (data[:30], reply)
+        assert daemon.poll() is None
+    assert status(root)["ready"] == 1  # while the silent client still holds its connection
+    with silent:
+        assert "no request within" in json.loads(silent.makefile("rb").readline())["error"]
+    agent, _ = job(procs, procs.tmp, "a", root, 1)
+    assert agent.wait(timeout=120) == 0, (procs.tmp / "a.err").read_text()[-3000:]
+    assert daemon.poll() is None and "Traceback" not in procs.stderr("spares")
+
+
+def _planted(procs: Procs) -> Path:
+    """A spares directory of user nobody, who will plant pool.sock in it."""
+    need_root_and_nobody()
+    root = procs.tmp / "spares"
+    root.mkdir(mode=0o700)
+    chown_nobody(root)
+    return root
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reclaim", [False, True], ids=["nobodys-dir", "reclaimed-dir"])
+def test_a_squatted_pool_sock_is_refused_in_one_line_and_gets_nothing(
+    procs: Procs, reclaim: bool
+) -> None:
+    root = _planted(procs)
+    script = procs.tmp / "w.py"
+    script.write_text("import sys; sys.exit('must not run')\n")
+    with squatter(root) as sq:
+        if reclaim:  # the directory is this user's again, only the socket gives it away
+            os.chown(root, os.geteuid(), os.getegid())
+            os.chmod(root, 0o700)
+        res = _flexrun(
+            "run",
+            "--standalone",
+            "--spares-dir",
+            str(root),
+            "--run-dir",
+            str(procs.tmp / "run"),
+            str(script),
+            "--secret-arg",
+        )
+        stat = _flexrun("spares", "--dir", str(root), "--status")
+        got = sq.received()
+    needle = "is served by uid" if reclaim else "belongs to uid"
+    for r in (res, stat):
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    # Connecting is how the squatter's uid is learnt; not a byte nor a descriptor follows.
+    assert got == {"connections": 2 if reclaim else 0, "bytes": 0, "fds": 0, "data": ""}
+    assert not (procs.tmp / "run").exists()  # nothing ran
 
 
 @pytest.mark.timeout(300)
@@ -293,7 +395,7 @@ def test_the_daemon_survives_a_full_disk(procs: Procs) -> None:
     root = procs.tmp / "spares"
     root.mkdir()
     r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)],
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(root)],
         capture_output=True,
         text=True,
         timeout=30,

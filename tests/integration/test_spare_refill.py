@@ -71,14 +71,14 @@ def test_a_worker_killed_soon_after_a_warm_restart_finds_its_replacement_spare_s
     # Kill round 2's worker at its first step: well inside the old 3 s delay.
     wait_for(lambda: _trained(progress, second), 30, "round 2's first step")  # type: ignore[arg-type]
     before = {
-        p.pid for p in descendants(agent.pid) if "flexrun.train.spare" in " ".join(p.cmdline())
+        p.pid for p in descendants(agent.pid) if "flexrun.spares.spare" in " ".join(p.cmdline())
     }
     os.kill(second, signal.SIGKILL)  # type: ignore[arg-type]
     third = wait_for(lambda: _started(run_dir, 3), 30, "round 3's worker")
     pids.append(third)
     wait_for(lambda: _trained(progress, third), 30, "round 3's first step")  # type: ignore[arg-type]
     cmd = " ".join(psutil.Process(third).cmdline())  # type: ignore[arg-type]
-    assert "flexrun.train.spare" in cmd, f"round 3 did not use a spare: {cmd}"
+    assert "flexrun.spares.spare" in cmd, f"round 3 did not use a spare: {cmd}"
     assert third in before, (
         "round 3's spare was started only after round 2's worker died: the pool was not "
         f"refilled when round 2 started from a spare (spares before the kill: {sorted(before)})"

@@ -10,13 +10,14 @@ import logging
 import os
 
 from flexrun.agent.agent import Agent
-from flexrun.agent.pool import WarmPool, live_pool, restart_pool
 from flexrun.agent.restart import RestartRunner
 from flexrun.agent.runner import Runner
+from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler
+from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
 from flexrun.store.factory import connect
 from flexrun.store.tcp import TcpStore

@@ -24,7 +24,6 @@ from pathlib import Path
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.live_epochs import EpochPublisher
 from flexrun.agent.policy import LiveFailed, LiveFinished
-from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.cause import FailureCause
@@ -43,6 +42,7 @@ from flexrun.proc import (
     start_tees,
 )
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
+from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
 
 log = logging.getLogger("flexrun.agent")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
-from flexrun.agent.pool import WarmPool, assign
 from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.config import RunConfig
@@ -24,6 +23,7 @@ from flexrun.proc import Worker, WorkerGroup, build_command, kill_session
 from flexrun.proc.diagnose import in_collective, is_consequence
 from flexrun.proc.stacks import capture_stacks
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
+from flexrun.spares.pool import WarmPool, assign
 
 log = logging.getLogger("flexrun.agent")
 

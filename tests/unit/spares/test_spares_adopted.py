@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flexrun.agent.adopt import RECORD_WAIT_S, AdoptedProcess, exit_record
+from flexrun.spares.adopted import AdoptedProcess
+from flexrun.spares.protocol import RECORD_WAIT_S, exit_record
 
 
 def _adopt(tmp_path: Path, code: str) -> tuple[subprocess.Popen[bytes], AdoptedProcess]:

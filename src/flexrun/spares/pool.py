@@ -1,41 +1,51 @@
-"""Warm interpreters: idle worker processes with Python and torch already imported.
+"""An agent's warm interpreters: idle worker processes with Python and torch imported.
 
-Owns starting, handing out and reaping spares (``python -m flexrun.train.spare``). A
-restart in restart mode, or a replacement in live mode, takes a ready spare instead of
-paying the interpreter and ``import torch`` again (seconds on a busy node, most of a
-restart). A spare becomes a worker when it is sent its environment, entry point and log
-paths on stdin; it then runs the script exactly as a fresh process would.
+Owns starting, handing out and reaping one agent's spares (``python -m
+flexrun.spares.spare``) and turning one into a worker (:func:`assign`). A restart in
+restart mode, or a replacement in live mode, takes a ready spare instead of paying the
+interpreter and ``import torch`` again (seconds on a busy node, most of a restart). A spare
+becomes a worker when it is sent its environment, entry point and log paths on stdin; it
+then runs the script exactly as a fresh process would.
 
 With a node directory (``--spares-dir``), spares are first taken from the node's
-``flexrun spares`` daemon (already warm before this agent started, see
-:mod:`flexrun.agent.nodepool`); only the rest are started here.
+``flexrun spares`` daemon (:mod:`flexrun.spares.client`); only the rest are started here.
+A node directory that is not this user's alone is refused once, with a warning, and the
+pool starts its own from then on. It does not read the run's configuration (the agent's
+:mod:`flexrun.agent.warm` builds it) nor decide when to take.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import subprocess
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from flexrun.agent.adopt import AdoptedProcess, exit_record, take_spares
-from flexrun.config import RunConfig
+from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.errors import SparesError, SparesUntrusted
 from flexrun.proc import Worker, reap, spawn_worker
 from flexrun.proc.spawn import file_size
+from flexrun.spares.adopted import AdoptedProcess
+from flexrun.spares.client import Adopted, take_spares
+from flexrun.spares.protocol import READY_ENV, SPARE_MODULE, Assignment, command
 
-log = logging.getLogger("flexrun.agent")
+log = logging.getLogger("flexrun.spares")
 
 
 class WarmPool:
     """Up to ``size`` spares for one node."""
 
     def __init__(
-        self, size: int, environ: Mapping[str, str], root: Path, node: Path | None = None
+        self,
+        size: int,
+        environ: Mapping[str, str],
+        root: Path,
+        node: Path | None = None,
+        *,
+        spare_command: Sequence[str] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.size = size
         self.environ = dict(environ)
@@ -43,6 +53,8 @@ class WarmPool:
         self.node = node
         """The node's ``flexrun spares`` directory, asked first (None: start every spare here)."""
         self.spares: list[tuple[Worker, Path]] = []
+        self.command = list(spare_command or command(SPARE_MODULE))
+        self._clock = clock
         self._seq = 0
         self.last_ready_ts: float | None = None
         """When the spare last handed out finished its imports (epoch seconds)."""
@@ -59,24 +71,30 @@ class WarmPool:
         self.spares = alive
         target = self.size if count is None else count
         if self.node is not None and len(self.spares) < target:
-            try:
-                taken = take_spares(self.node, target - len(self.spares))
-            except OSError as exc:
-                log.warning("could not take spares from %s: %s", self.node, exc)
-                taken = []
-            self.spares.extend((a.worker, a.ready) for a in taken)
+            self.spares.extend((a.worker, a.ready) for a in self._take(target - len(self.spares)))
         while len(self.spares) < target:
             self._seq += 1
             name = f"spare-{os.getpid()}-{self._seq}"
             ready = self.root / f"{name}.ready"
             ready.parent.mkdir(parents=True, exist_ok=True)
             ready.unlink(missing_ok=True)
-            env = dict(self.environ, FLEXRUN_SPARE_READY=str(ready))
-            cmd = [sys.executable, "-u", "-m", "flexrun.train.spare"]
+            env = dict(self.environ)
+            env[READY_ENV] = str(ready)
             w = spawn_worker(
-                cmd, env, self.root / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE
+                self.command, env, self.root / name, rank=-1, local_rank=-1, stdin=subprocess.PIPE
             )
             self.spares.append((w, ready))
+
+    def _take(self, count: int) -> list[Adopted]:
+        assert self.node is not None
+        try:
+            return take_spares(self.node, count)
+        except SparesUntrusted as exc:
+            log.warning("%s: starting spares here from now on", exc)
+            self.node = None
+        except (OSError, SparesError) as exc:
+            log.warning("could not take spares from %s: %s", self.node, exc)
+        return []
 
     def take(self, wait_s: float = 0.0) -> Worker | None:
         """A spare that has finished its imports, or None.
@@ -84,7 +102,7 @@ class WarmPool:
         With ``wait_s``, wait that long for a spare that is still importing: it is ready
         sooner than a process started now would be.
         """
-        deadline = time.monotonic() + wait_s
+        deadline = self._clock.monotonic() + wait_s
         while True:
             booting = False
             for i, (w, ready) in enumerate(self.spares):
@@ -97,9 +115,9 @@ class WarmPool:
                     ready.unlink(missing_ok=True)  # the flag means "an idle spare is ready"
                     return w
                 booting = True
-            if not booting or time.monotonic() >= deadline:
+            if not booting or self._clock.monotonic() >= deadline:
                 return None
-            time.sleep(0.05)
+            self._clock.sleep(0.05)
 
     def trim(self) -> None:
         """Stop spares beyond the pool size (a node's first workers that were not needed)."""
@@ -126,9 +144,13 @@ def assign(
     log_dir: Path | None = None,
 ) -> Worker:
     """Turn spare ``w`` into a worker; with ``log_dir`` its output moves to that
-    directory's ``stdout.log``/``stderr.log`` (and its error file there)."""
+    directory's ``stdout.log``/``stderr.log`` (and its error file there).
+
+    Raises:
+        OSError: the spare is gone (its assignment channel is closed).
+    """
     env = dict(env)
-    task: dict[str, object] = {"entry": entry, "args": list(args), "module": module}
+    logs: dict[str, str] = {}
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         w.log_dir = log_dir
@@ -138,42 +160,21 @@ def assign(
             path = log_dir / f"{stream}.log"
             w.log_offsets[stream] = file_size(path)
             path.touch()  # the agent's tees open it at once; the spare appends
-            task[stream] = str(path)
+            logs[stream] = str(path)
     env["TORCHELASTIC_ERROR_FILE"] = str(w.error_file)
-    task["env"] = env
-    task["cwd"] = os.getcwd()
-    if isinstance(w.proc, AdoptedProcess):
-        # Started by the node's daemon, not by us: it must die with this agent, and keep
-        # its exit code where we can read it even if the daemon goes away.
-        task["agent_pid"] = os.getpid()
-        task["exit_record"] = str(exit_record(w.proc.root, w.proc.name, own=True))
+    task = Assignment(
+        entry=entry,
+        args=tuple(args),
+        module=module,
+        env=env,
+        cwd=os.getcwd(),
+        stdout=logs.get("stdout"),
+        stderr=logs.get("stderr"),
+        # Started by the node's daemon, not by us: it must die with this agent.
+        agent_pid=os.getpid() if isinstance(w.proc, AdoptedProcess) else None,
+    )
     assert w.proc.stdin is not None
-    w.proc.stdin.write((json.dumps(task) + "\n").encode())
+    w.proc.stdin.write(task.encode())
     w.proc.stdin.close()
     w.rank, w.local_rank = rank, local_rank
     return w
-
-
-def restart_pool(config: RunConfig) -> WarmPool | None:
-    """The warm pool of a restart-mode agent (None when disabled or not applicable)."""
-    if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
-        return None
-    log_root = config.log_dir or (config.run_dir / "logs")
-    return WarmPool(config.warm_spares, config.environ, log_root / "spares", node=config.spares_dir)
-
-
-def live_pool(config: RunConfig) -> WarmPool | None:
-    """The warm pool of a live-mode agent (None for ``--no-python``). The launcher builds
-    it and fills it with the node's first workers before it even connects to the store,
-    so their Python and torch import overlaps the agent's own start-up."""
-    if config.mode != "live" or config.no_python:
-        return None
-    env = dict(config.environ)
-    if config.nproc_per_node > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
-    # As LiveSupervisor sets for its workers, but it must be there before the spare imports
-    # torch: c10d reads it once. Live workers' bounded store waits expire routinely, and
-    # each warning c10d logs for one can stall seconds on a reverse DNS lookup.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    log_root = (config.log_dir or config.run_dir / "logs") / "live"
-    return WarmPool(config.warm_spares, env, log_root / "spares", node=config.spares_dir)

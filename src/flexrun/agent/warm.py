@@ -1,0 +1,36 @@
+"""The agent's warm pools, built from the run's configuration.
+
+Owns only the choice (from :class:`~flexrun.config.RunConfig`) of whether a mode gets a
+pool, how big, with which environment and where its spares log; the pool itself is
+:class:`flexrun.spares.pool.WarmPool`.
+"""
+
+from __future__ import annotations
+
+from flexrun.config import RunConfig
+from flexrun.spares.pool import WarmPool
+
+
+def restart_pool(config: RunConfig) -> WarmPool | None:
+    """The warm pool of a restart-mode agent (None when disabled or not applicable)."""
+    if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
+        return None
+    log_root = config.log_dir or (config.run_dir / "logs")
+    return WarmPool(config.warm_spares, config.environ, log_root / "spares", node=config.spares_dir)
+
+
+def live_pool(config: RunConfig) -> WarmPool | None:
+    """The warm pool of a live-mode agent (None for ``--no-python``). The launcher builds
+    it and fills it with the node's first workers before it even connects to the store,
+    so their Python and torch import overlaps the agent's own start-up."""
+    if config.mode != "live" or config.no_python:
+        return None
+    env = dict(config.environ)
+    if config.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
+    # As LiveSupervisor sets for its workers, but it must be there before the spare imports
+    # torch: c10d reads it once. Live workers' bounded store waits expire routinely, and
+    # each warning c10d logs for one can stall seconds on a reverse DNS lookup.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    log_root = (config.log_dir or config.run_dir / "logs") / "live"
+    return WarmPool(config.warm_spares, env, log_root / "spares", node=config.spares_dir)

@@ -1,0 +1,33 @@
+"""A warm spare worker: ``python -m flexrun.spares.spare``.
+
+Owns only what makes a spare warm: Python, torch and ``flexrun.train`` imported before an
+agent needs a worker. The hand-over itself (an assignment on stdin: the worker's
+environment, argv and entry point; end of stdin without one: exit 0) is
+:func:`flexrun.spares.become.serve_assignment`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+import torch  # (the point of a spare: pay these imports before they are needed)
+import torch.distributed  # noqa: F401
+
+import flexrun.train.live  # noqa: F401
+from flexrun.spares.become import serve_assignment
+
+
+def _size_threads(env: Mapping[str, str]) -> None:
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        # torch sized its thread pool from the spare's environment at import.
+        torch.set_num_threads(int(threads))
+
+
+def main() -> int:
+    return serve_assignment(prepare=_size_threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

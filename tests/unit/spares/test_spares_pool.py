@@ -1,0 +1,172 @@
+"""WarmPool and assign against fake spares (the real hand-over code without torch): fill,
+take with and without waiting, trim, close, and a spare becoming a worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from spares_support import FAKE_SPARE
+from support import wait_for
+
+from flexrun.spares.pool import WarmPool, assign
+from flexrun.testing import FakeClock
+
+pytestmark = pytest.mark.timeout(60)
+
+NEVER_READY = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+
+SCRIPT = """
+import json, os, sys
+with open(sys.argv[1], "w") as fh:
+    json.dump({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:],
+               "rank": os.environ.get("RANK"), "err": os.environ["TORCHELASTIC_ERROR_FILE"],
+               "spare_env": os.environ.get("FLEXRUN_SPARE_READY")}, fh)
+print("hello from the worker")
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def pools() -> Iterator[list[WarmPool]]:
+    made: list[WarmPool] = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def _pool(pools: list[WarmPool], tmp: Path, size: int, **kw: object) -> WarmPool:
+    pool = WarmPool(size, os.environ, tmp / "pool", spare_command=FAKE_SPARE, **kw)  # type: ignore[arg-type]
+    pools.append(pool)
+    return pool
+
+
+def test_take_waits_for_a_booting_spare_and_hands_each_out_once(
+    tmp_path: Path, pools: list[WarmPool]
+) -> None:
+    pool = _pool(pools, tmp_path, 2)
+    pool.fill()
+    assert len(pool.spares) == 2
+    first = pool.take(wait_s=30)
+    assert first is not None and pool.last_ready_ts is not None
+    second = pool.take(wait_s=30)
+    assert second is not None and second.proc.pid != first.proc.pid
+    assert pool.take(wait_s=30) is None  # nothing left, nothing booting: no wait
+    pool.fill()
+    assert len(pool.spares) == 2
+
+
+def test_take_gives_up_after_wait_s_on_the_injected_clock(
+    tmp_path: Path, pools: list[WarmPool]
+) -> None:
+    clock = FakeClock()
+    pool = WarmPool(1, os.environ, tmp_path / "p", spare_command=NEVER_READY, clock=clock)
+    pools.append(pool)
+    pool.fill()
+    assert pool.take() is None  # booting, no wait
+    start = clock.monotonic()
+    assert pool.take(wait_s=5.0) is None
+    assert 5.0 <= clock.monotonic() - start < 5.2  # waited on the fake clock, not the real one
+    assert len(pool.spares) == 1  # still there, still booting
+
+
+def test_dead_spares_are_skipped_then_replaced_and_trim_stops_the_extra(
+    tmp_path: Path, pools: list[WarmPool]
+) -> None:
+    pool = _pool(pools, tmp_path, 1)
+    pool.fill(count=3)  # a node's first workers, started as spares
+    assert len(pool.spares) == 3
+    dead = pool.spares[0][0]
+    dead.proc.stdin.close()  # type: ignore[union-attr]  (end of input: the spare exits 0)
+    assert dead.proc.wait(timeout=30) == 0
+    taken = pool.take(wait_s=30)
+    assert taken is not None and taken is not dead
+    pool.trim()
+    assert len(pool.spares) == 1
+    pool.fill()
+    assert len(pool.spares) == 1 and pool.spares[0][0] is not dead
+    kept = pool.spares[0][0]
+    pool.close()
+    assert kept.proc.poll() is not None and pool.spares == []
+    taken.proc.stdin.close()  # type: ignore[union-attr]
+    taken.proc.wait(timeout=30)
+
+
+def test_an_assigned_spare_runs_the_script_as_a_fresh_worker_would(
+    tmp_path: Path, pools: list[WarmPool]
+) -> None:
+    pool = _pool(pools, tmp_path, 1)
+    pool.fill()
+    w = pool.take(wait_s=30)
+    assert w is not None
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    log_dir = tmp_path / "rank_3"
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        env = {**os.environ, "RANK": "3"}
+        assign(
+            w,
+            env=env,
+            entry=str(script),
+            args=[str(out), "3"],
+            module=False,
+            rank=3,
+            local_rank=0,
+            log_dir=log_dir,
+        )
+    finally:
+        os.chdir(cwd)
+    assert w.proc.wait(timeout=30) == 3
+    got = json.loads(out.read_text())
+    assert got["pid"] == w.proc.pid and got["cwd"] == str(work) and got["rank"] == "3"
+    assert got["argv"] == [str(out), "3"] and got["err"] == str(log_dir / "error.json")
+    assert got["spare_env"] is None  # the worker's environment replaced the spare's
+    assert (log_dir / "stdout.log").read_text() == "hello from the worker\n"
+    assert (w.rank, w.local_rank, w.log_dir) == (3, 0, log_dir)
+
+
+def test_a_module_entry_point_is_found_on_the_workers_pythonpath(
+    tmp_path: Path, pools: list[WarmPool]
+) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "entry_mod.py").write_text("import sys\nsys.exit(7)\n")
+    pool = _pool(pools, tmp_path, 1)
+    pool.fill()
+    w = pool.take(wait_s=30)
+    assert w is not None
+    pythonpath = os.pathsep.join([str(lib), os.environ.get("PYTHONPATH", "")])
+    assign(
+        w,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        entry="entry_mod",
+        args=[],
+        module=True,
+        rank=0,
+        local_rank=0,
+    )
+    assert w.proc.wait(timeout=30) == 7
+
+
+def test_a_malformed_assignment_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    ready = tmp_path / "s.ready"
+    p = subprocess.Popen(
+        FAKE_SPARE,
+        env={**os.environ, "FLEXRUN_SPARE_READY": str(ready)},
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    wait_for(ready.exists, 30, "the spare to be ready", interval=0.01)
+    _, err = p.communicate(b'{"entry": 5}\n', timeout=30)
+    assert p.returncode == 2
+    assert err.decode().count("\n") == 1 and "'entry' must be str" in err.decode()
