@@ -46,7 +46,8 @@ def _assert_clean_error(res: subprocess.CompletedProcess[str], *needles: str) ->
             ["--rdzv-backend", "zookeeper", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"],
             ["--rdzv-backend 'zookeeper' is unknown"],
         ),
-        (["--nnodes", "2"], ["--rdzv-endpoint"]),
+        # (`--nnodes 2` alone is torchrun's static job on 127.0.0.1:29500 now: issue 21)
+        (["--nnodes", "2", "--node-rank", "2"], ["--node-rank 2: must be 0..1"]),
         (["--rdzv-conf", "join_timeout"], ["--rdzv-conf"]),
         (["--max-restarts", "-1"], ["--max-restarts"]),
     ],
