@@ -229,6 +229,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     if logs_specs:
         plugins.logs_specs_class(logs_specs)
     monitor = parse_duration(a["monitor_interval"], "--monitor-interval")
+    signals = parse_signals(a.get("signals_to_handle") or ",".join(DEFAULT_SIGNALS))
     return RunConfig(
         entrypoint=a["training_script"],
         args=tuple(a["training_script_args"]),
@@ -252,7 +253,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         # torchrun accepts 0 (check as often as possible): every 10 ms here.
         monitor_interval_s=max(monitor, 0.01),
         stop_grace_s=_stop_grace(a, environ),
-        signals_to_handle=parse_signals(a.get("signals_to_handle") or ",".join(DEFAULT_SIGNALS)),
+        signals_to_handle=signals,
         start_method=str(a.get("start_method") or "spawn"),
         run_path=run_path,
         python_exec=environ.get("PYTHON_EXEC") or sys.executable,
@@ -271,7 +272,8 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         static=static,
         store=store,
         rendezvous=rdzv,
-        environ=dict(environ),
+        # torchrun exports it to its own environment, so every worker inherits it.
+        environ=dict(environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(signals)),
         mode=mode,
         warm_spares=spares,
         spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,

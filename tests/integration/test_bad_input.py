@@ -83,7 +83,9 @@ def test_an_endpoint_on_another_host_that_refuses_connections(tmp_path: Path) ->
             "--rdzv-id",
             "j",
             "--rdzv-conf",
-            "connect_timeout=2",
+            # 127.0.0.2 is loopback, so this host would host the store there (torchrun's
+            # rule): say it does not, so the refused connection is what is tested.
+            "connect_timeout=2,is_host=0",
             str(DDP_STEPS),
         ],
         tmp_path,

@@ -250,6 +250,7 @@ def test_torchrun_only_settings_are_carried(script: str) -> None:
              "TORCHELASTIC_ERROR_FILE": "/tmp/e.json"})  # fmt: skip
     assert c.signals_to_handle == ("SIGTERM", "SIGUSR1", "SIGKILL", "NOPE")
     assert c.signal_numbers == (signal.SIGTERM, signal.SIGUSR1)
+    assert c.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1,SIGKILL,NOPE"
     assert c.start_method == "fork" and c.virtual_local_rank
     assert c.duplicate_stdout_filters == ("a,b", "c") and c.event_log_handler == "console"
     assert c.python_exec == "/usr/bin/python3" and c.log_line_prefix_template == "${rank}>"

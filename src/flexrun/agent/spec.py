@@ -3,7 +3,8 @@
 Owns the names and values of every variable a worker sees; spawns nothing. With
 ``settings`` (the run's :class:`~flexrun.config.RunConfig`) it also applies what the
 configuration decided for workers: the network interface defaults of a multi-host job,
-``--virtual-local-rank`` and torchrun's ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
+and ``--virtual-local-rank``. (torchrun's ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is in
+``RunConfig.environ``: torchrun exports it from the launcher, so it is inherited.)
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ def worker_envs(
 
 def apply_settings(env: dict[str, str], settings: RunConfig, local_rank: int) -> None:
     """What the run's configuration adds to local rank ``local_rank``'s environment ``env``."""
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(settings.signals_to_handle)
     if settings.socket_ifname:
         # gloo binds to the host name's address unless told an interface; on many hosts
         # that is a loopback address, and a multi-host job then hangs after the rendezvous.
