@@ -97,8 +97,8 @@ def test_logs_are_kept_even_when_nothing_is_redirected(runner: Runner) -> None:
 
 DUPLICATE = Case(
     "duplicate_filters",
-    (*TWO, "--log-dir", "{workdir}/logs", "--duplicate-stdout-filters", "apple",
-     "--duplicate-stderr-filters", "orange,,nope"),
+    (*TWO, "-t", "3", "--log-dir", "{workdir}/logs", "--duplicate-stdout-filters", "apple",
+     "--duplicate-stderr-filters", "orange"),
     script_args=LINES,
 )  # fmt: skip
 

@@ -97,6 +97,15 @@ def test_max_restarts_restarts_the_workers(runner: Runner) -> None:
         assert {p["env"]["TORCHELASTIC_RESTART_COUNT"] for p in run.probes.values()} == {"1"}
 
 
+@pytest.mark.timeout(300)
+def test_a_restarted_worker_sees_the_same_file_and_argv(runner: Runner) -> None:
+    runs = runner(RESTART)
+    for t, f in zip(runs["torchrun"].probes.values(), runs["flexrun"].probes.values(), strict=True):
+        assert f["argv"][1:] == t["argv"][1:]
+        assert Path(t["file"]).is_absolute()
+        assert Path(f["file"]).is_absolute(), f["file"]
+
+
 def _sigterm_after_start(run: Run, procs: list[subprocess.Popen[str]]) -> None:
     wait_for_probes(run, 1)
     time.sleep(0.5)

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 WATCHED = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -39,6 +40,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--note-signal", default="", help="record this signal's arrival, then exit")
     p.add_argument("rest", nargs="*")
     return p.parse_known_args()[0]
+
+
+def say(line: str, stream: TextIO = sys.stdout) -> None:
+    """One line in one write: workers sharing a console never split each other's lines."""
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def record(out: Path) -> None:
@@ -108,7 +115,7 @@ def train(steps: int) -> None:
     for _ in range(steps):
         dist.all_reduce(t)
         t /= dist.get_world_size()
-    print(f"trained {steps} world {dist.get_world_size()} rank {dist.get_rank()}", flush=True)
+    say(f"trained {steps} world {dist.get_world_size()} rank {dist.get_rank()}")
     dist.destroy_process_group()
 
 
@@ -117,9 +124,8 @@ def main() -> None:
     rank = os.environ.get("RANK", "x")
     record(Path(os.environ["PROBE_OUT"]))
     for i in range(a.lines):
-        print(f"out line {i} rank {rank} apple" if i % 2 else f"out line {i} rank {rank}")
-        print(f"err line {i} rank {rank} orange", file=sys.stderr)
-    sys.stdout.flush()
+        say(f"out line {i} rank {rank} apple" if i % 2 else f"out line {i} rank {rank}")
+        say(f"err line {i} rank {rank} orange", sys.stderr)
     if a.fail_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         sys.exit(a.fail_once)
     if a.kill_self and rank == "0":
@@ -127,7 +133,7 @@ def main() -> None:
     if a.note_signal:
         note_signal(a.note_signal, rank)
     if a.stdin:
-        print(f"stdin said {sys.stdin.readline().strip()!r}", flush=True)
+        say(f"stdin said {sys.stdin.readline().strip()!r}")
     if a.progress:
         progress(rank)
     if a.train:
