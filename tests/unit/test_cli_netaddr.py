@@ -115,3 +115,27 @@ def test_worker_env_signals_and_virtual_local_rank(tmp_path: Path) -> None:
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4", "6"]
     plain = _envs(_settings(tmp_path, virtual_local_rank=True))
     assert [e["CUDA_VISIBLE_DEVICES"] for e in plain] == ["0", "1"]
+
+
+def test_numa_cpu_sets_come_from_torchs_choice_per_local_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from torch.numa import binding
+
+    from flexrun import numa
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    seen = []
+
+    def fake(*, gpu_index: int, numa_options: object) -> set[int]:
+        seen.append((gpu_index, numa_options.affinity_mode.value))  # type: ignore[attr-defined]
+        return {gpu_index * 4, gpu_index * 4 + 1}
+
+    monkeypatch.setattr(binding, "_get_logical_cpus_to_bind_to", fake)
+    assert numa.cpus_per_local_rank("socket", 2) == (frozenset({0, 1}), frozenset({4, 5}))
+    assert seen == [(0, "socket"), (1, "socket")]
+    with pytest.raises(ConfigError, match="3 workers but 2 visible GPUs"):
+        numa.cpus_per_local_rank("node", 3)
+    assert numa.ranges(frozenset({0, 1, 2, 5, 7, 8})) == "0-2,5,7-8"
