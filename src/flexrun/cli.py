@@ -136,7 +136,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flexrun {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add_run_parser(sub, env, _cmd_run)
+    run = add_run_parser(sub, env, _cmd_run)
+    run.flexrun_root = parser  # type: ignore[attr-defined]  # --print-completion's program
     _add_store(sub, env)
     _add_spares(sub, env)
     import importlib

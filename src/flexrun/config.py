@@ -217,8 +217,9 @@ class RunConfig:
     duplicate_stderr_filters: tuple[str, ...] = ()
     """The same for stderr (``filtered_stderr.log``)."""
     log_line_prefix_template: str | None = None
-    """``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``, ``${rank}``,
-    ``${local_rank}``): the prefix of tee'd console lines instead of ``[<role><local_rank>]:``."""
+    """``--log-line-prefix-template`` (torch 2.15), else ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``
+    (``${role_name}``, ``${rank}``, ``${local_rank}``, ``${hostname}``: the node's FQDN): the
+    prefix of tee'd console lines instead of ``[<role><local_rank>]:``."""
     monitor_interval_s: float = 0.1
     stop_grace_s: float = 30.0
     """Seconds between SIGTERM and SIGKILL when stopping workers (``--stop-grace``, or

@@ -9,7 +9,9 @@ the child before ``exec``, so no ``numactl`` binary is needed, unlike torchrun).
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+from typing import Any
 
 from flexrun.errors import ConfigError
 
@@ -53,10 +55,13 @@ def cpus_per_local_rank(mode: str, nproc: int) -> tuple[frozenset[int], ...]:
             f"({_NODE_DIR}/possible is missing); drop --numa-binding"
         )
     options = binding.NumaOptions(affinity_mode=binding.AffinityMode(mode))
+    choose: Any = binding._get_logical_cpus_to_bind_to
+    # torch 2.13 names the device ``gpu_index``; 2.15 ``device_index``.
+    key = "device_index" if "device_index" in inspect.signature(choose).parameters else "gpu_index"
     out = []
     for local_rank in range(nproc):
         try:
-            cpus = binding._get_logical_cpus_to_bind_to(gpu_index=local_rank, numa_options=options)
+            cpus = choose(**{key: local_rank, "numa_options": options})
         except (OSError, RuntimeError, ValueError, AssertionError, AttributeError) as exc:
             raise ConfigError(
                 f"--numa-binding {mode}: cannot find the CPUs near cuda:{local_rank} "

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flexrun.config import DEFAULT_SIGNALS, START_METHODS
+from flexrun.errors import ConfigError
 from flexrun.numa import MODES as NUMA_MODES
 from flexrun.parsing import env_flag, pet_name
 
@@ -65,6 +66,36 @@ class _Flag(argparse.Action):
     ) -> None:
         setattr(namespace, self.dest, True)
         _mark(namespace, self.dest)
+
+
+def _completion_shells() -> list[str]:
+    try:
+        import shtab
+    except ImportError:
+        return ["bash", "zsh", "tcsh"]  # torch's list when shtab is not installed
+    return list(shtab.SUPPORTED_SHELLS)
+
+
+class _PrintCompletion(argparse.Action):
+    """torch 2.15's ``--print-completion SHELL``: a completion script of ``flexrun``, then exit."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            import shtab
+        except ImportError:
+            raise ConfigError(
+                f"{option_string} requires the 'shtab' package: pip install shtab"
+            ) from None
+        root = getattr(parser, "flexrun_root", parser)
+        root.prog = "flexrun"
+        print(shtab.complete(root, shell=values))
+        parser.exit()
 
 
 class _Options:
@@ -234,6 +265,20 @@ def add_torchrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     o.flag(
         "--virtual-local-rank",
         help="every worker sees LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = its own device",
+    )
+    # torch 2.15's additions (a torch 2.13 user may give them too).
+    o.value(
+        "--log-line-prefix-template",
+        default="",
+        help="prefix of tee'd console lines (${role_name}, ${local_rank}, ${rank}, ${hostname}); "
+        "empty: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else [${role_name}${local_rank}]:",
+    )
+    p.add_argument(
+        "--print-completion",
+        "--print_completion",
+        action=_PrintCompletion,
+        choices=_completion_shells(),
+        help="print a shell completion script for flexrun and exit (needs the shtab package)",
     )
 
 

@@ -249,7 +249,12 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         local_ranks_filter=parse_ranks_filter(a.get("local_ranks_filter")),
         duplicate_stdout_filters=tuple(a.get("duplicate_stdout_filters") or ()),
         duplicate_stderr_filters=tuple(a.get("duplicate_stderr_filters") or ()),
-        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        # torch 2.15's --log-line-prefix-template wins over the variable (torch's order).
+        log_line_prefix_template=(
+            a.get("log_line_prefix_template")
+            or environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+            or None
+        ),
         # torchrun accepts 0 (check as often as possible): every 10 ms here.
         monitor_interval_s=max(monitor, 0.01),
         stop_grace_s=_stop_grace(a, environ),

@@ -129,7 +129,7 @@ def test_numa_cpu_sets_come_from_torchs_choice_per_local_rank(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     seen = []
 
-    def fake(*, gpu_index: int, numa_options: object) -> set[int]:
+    def fake(*, gpu_index: int, numa_options: object) -> set[int]:  # torch 2.13's signature
         seen.append((gpu_index, numa_options.affinity_mode.value))  # type: ignore[attr-defined]
         return {gpu_index * 4, gpu_index * 4 + 1}
 
