@@ -77,8 +77,6 @@ class ParsedConf:
     read_timeout_s: float | None = None
     """The store's per-operation timeout (None: the backend's default)."""
     is_host: bool | None = None
-    timeout_given: bool = False
-    """``timeout`` or ``join_timeout`` was given (the static store's wait uses it)."""
     backend_conf: Mapping[str, str]
     """What the store backend receives (etcd TLS and auth options)."""
     notes: tuple[str, ...] = ()
@@ -172,7 +170,6 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool) -> ParsedConf:
         connect_timeout_s=30.0 if connect is None else connect,
         read_timeout_s=read,
         is_host=_bool(conf, "is_host"),
-        timeout_given=join is not None,
         backend_conf=backend_conf,
         notes=tuple(notes),
         warnings=tuple(warnings),
