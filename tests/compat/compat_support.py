@@ -129,7 +129,7 @@ def base_env(workdir: Path, extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _kill_tree(proc: subprocess.Popen[str]) -> None:
+def kill_tree(proc: subprocess.Popen[str]) -> None:
     try:
         kids = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -240,12 +240,12 @@ def finish(case: Case, run: Run, procs: list[subprocess.Popen[str]], deadline: f
             try:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_tree(p)
+                kill_tree(p)
                 p.wait(timeout=30)
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p)
+                kill_tree(p)
                 p.wait(timeout=30)
     for p in procs:
         reader = getattr(p, "pty_reader", None)

@@ -7,9 +7,11 @@ train a few gloo all-reduce steps, so the world really forms.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from compat_checks import pending, same_env, succeeded
-from compat_support import Case, Runner
+from compat_support import Case, Runner, finish, kill_tree, start, wait_for_probes
 
 TRAIN = ("--train", "3")
 
@@ -84,3 +86,31 @@ def test_a_one_node_static_job_uses_the_given_master(runner: Runner) -> None:
     same_env(runs, 2, run_id="none", given_port=True)
     t, f = runs["torchrun"].probes[0]["env"], runs["flexrun"].probes[0]["env"]
     assert t["TORCHELASTIC_USE_AGENT_STORE"] == "True" == f["TORCHELASTIC_USE_AGENT_STORE"]
+
+
+STATIC_LOSS = Case(
+    "static_node_loss",
+    ("--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", "--master_port={port}",
+     "--rdzv-conf", "heartbeat_timeout=3"),
+    script_args=("--sleep", "120"),
+    nodes=(("--node_rank=0",), ("--node_rank=1",)),
+)  # fmt: skip
+
+
+@pending("a static job ending with exit 200 (NODE_LOST) when a node's heartbeat stops")
+@pytest.mark.timeout(300)
+def test_a_lost_static_node_ends_the_job_with_node_lost(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Beyond torchrun (whose survivors wait in a collective): flexrun only."""
+    run, procs = start(STATIC_LOSS, "flexrun", tmp_path / "flexrun")
+    try:
+        wait_for_probes(run, 2, timeout=90)
+        kill_tree(procs[1])
+        procs[0].wait(timeout=30)  # heartbeat_timeout 3 s, and some slack
+        finish(STATIC_LOSS, run, procs, time.monotonic() + 10)
+        assert run.rc[0] == 200, run.stderr[-2000:]
+        assert "node" in run.stderr and "lost" in run.stderr
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+                p.wait(timeout=30)
