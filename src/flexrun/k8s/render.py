@@ -125,6 +125,12 @@ def to_yaml(manifests: list[Manifest]) -> str:
         def ignore_aliases(self, data: Any) -> bool:
             return True
 
+    def numbers(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+        # A list of numbers (a pod failure policy's exit codes) on a few lines, not 127.
+        flow = len(data) > 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in data)
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow or None)
+
+    _Dumper.add_representer(list, numbers)
     return yaml.dump_all(
         manifests, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100
     )

@@ -282,6 +282,11 @@ def _parse_nnodes(value: object) -> NodeRange:
     raise fail("spec.nnodes", f"must be N or MIN:MAX (got {value!r})")
 
 
+def _override(in_file: str, from_cli: str | None) -> str:
+    # The file's value is read (and type-checked) even when the command line overrides it.
+    return in_file if from_cli is None else from_cli
+
+
 def _parse_one_key(s: SpecReader, key: str, inner: str, kind: str = "str") -> Any:
     r = s.sub(key)
     if r is None:
@@ -327,12 +332,11 @@ def parse_job_spec(
         raise fail("spec.nnodes", "is required (N or MIN:MAX)")
     nnodes = _parse_nnodes(nnodes_raw)
     resources = parse_resources(s)
-    trainjob = TrainJobOptions()
+    kind_in_file = "TrainingRuntime"
     if (tr := s.sub("trainJob")) is not None:
-        trainjob = TrainJobOptions(runtime_kind=tr.str_("runtimeKind", "TrainingRuntime"))
+        kind_in_file = tr.str_("runtimeKind", "TrainingRuntime")
         tr.done()
-    if runtime_kind is not None:
-        trainjob = TrainJobOptions(runtime_kind=runtime_kind)
+    trainjob = TrainJobOptions(runtime_kind=_override(kind_in_file, runtime_kind))
 
     args = s.list_("args")
     for i, a in enumerate(args):
@@ -343,7 +347,7 @@ def parse_job_spec(
     spec = JobSpec(
         name=name,
         namespace=namespace,
-        target=target or s.str_("target", TARGET_PYTORCHJOB),
+        target=_override(s.str_("target", TARGET_PYTORCHJOB), target),
         trainjob=trainjob,
         image=s.req_str("image"),
         script=s.str_("script"),

@@ -228,8 +228,31 @@ def _failure_policy_problems(obj: str, spec: Mapping[str, Any], jobs: list[str])
     return out
 
 
+def _trainer_job(obj: str, jobs: list[Any]) -> tuple[list[Problem], int | None]:
+    """The one replicated job labelled as the trainer's (its index), or the problem."""
+    trainers = [
+        i
+        for i, j in enumerate(jobs)
+        if _m(_m(_m(_m(j).get("template")).get("metadata")).get("labels")).get(ANCESTOR_LABEL)
+        == "trainer"
+    ]
+    if len(trainers) == 1:
+        return [], trainers[0]
+    problem = Problem(
+        obj=obj,
+        path="spec.template.spec.replicatedJobs",
+        message=f"{len(trainers)} replicated jobs labelled {ANCESTOR_LABEL}: trainer; "
+        "exactly one runs the trainer's pods",
+    )
+    return [problem], None
+
+
 def runtime_problems(obj: str, doc: Mapping[str, Any]) -> tuple[list[Problem], Runtime | None]:
-    """A runtime's controller rules; also what a TrainJob referencing it needs to know."""
+    """A runtime's controller rules; also what a TrainJob referencing it needs to know.
+
+    The rules a render depends on come first (torch policy, trainer job, container
+    ``node``), then JobSet's and the child Job's.
+    """
     out: list[Problem] = []
     spec = _m(doc.get("spec"))
     ml = _m(spec.get("mlPolicy"))
@@ -244,62 +267,51 @@ def runtime_problems(obj: str, doc: Mapping[str, Any]) -> tuple[list[Problem], R
         )
     js = _m(_m(spec.get("template")).get("spec"))
     jobs = _l(js.get("replicatedJobs"))
-    job_names = [_m(j).get("name") for j in jobs]
-    out += _failure_policy_problems(obj, js, [str(n) for n in job_names])
-    trainers = [
-        i
-        for i, j in enumerate(jobs)
-        if _m(_m(_m(_m(j).get("template")).get("metadata")).get("labels")).get(ANCESTOR_LABEL)
-        == "trainer"
-    ]
-    if len(trainers) != 1:
-        out.append(
-            Problem(
-                obj=obj,
-                path="spec.template.spec.replicatedJobs",
-                message=f"{len(trainers)} replicated jobs labelled {ANCESTOR_LABEL}: trainer; "
-                "exactly one runs the trainer's pods",
+    found, index = _trainer_job(obj, jobs)
+    out += found
+    runtime = None
+    if index is not None:
+        job_path = f"spec.template.spec.replicatedJobs[{index}]"
+        job_spec = _m(_m(_m(jobs[index]).get("template")).get("spec"))
+        containers = _l(_m(_m(job_spec.get("template")).get("spec")).get("containers"))
+        node = [c for c in containers if _m(c).get("name") == NODE]
+        if not node:
+            names = ", ".join(str(_m(c).get("name")) for c in containers) or "none"
+            out.append(
+                Problem(
+                    obj=obj,
+                    path=f"{job_path}.template.spec.template.spec.containers",
+                    message=f"no container named 'node' (found {names}): the torch plugin "
+                    "injects PET_* and the TrainJob's image, command and args only there",
+                )
             )
+        command = [*_l(_m(node[0]).get("command")), *_l(_m(node[0]).get("args"))] if node else []
+        counts = [
+            c
+            for c in (
+                _m(r).get("succeededCount")
+                for r in _l(_m(job_spec.get("successPolicy")).get("rules"))
+            )
+            if isinstance(c, int)
+        ]
+        num_nodes = ml.get("numNodes")
+        meta = _m(doc.get("metadata"))
+        runtime = Runtime(
+            obj=obj,
+            kind=str(doc.get("kind")),
+            name=str(meta.get("name")),
+            namespace=meta.get("namespace") if doc.get("kind") == "TrainingRuntime" else None,
+            num_nodes=num_nodes if isinstance(num_nodes, int) else None,
+            node_range=_node_range(command),
+            job_name=str(_m(jobs[index]).get("name")),
+            min_completions_needed=max(counts, default=0),
         )
+    out += _failure_policy_problems(obj, js, [str(_m(j).get("name")) for j in jobs])
     for i, j in enumerate(jobs):
         out += _job_template_problems(
             obj, f"spec.template.spec.replicatedJobs[{i}]", _m(_m(j).get("template"))
         )
-    if len(trainers) != 1:
-        return out, None
-    index = trainers[0]
-    job_path = f"spec.template.spec.replicatedJobs[{index}]"
-    job_spec = _m(_m(_m(jobs[index]).get("template")).get("spec"))
-    containers = _l(_m(_m(job_spec.get("template")).get("spec")).get("containers"))
-    node = [c for c in containers if _m(c).get("name") == NODE]
-    if not node:
-        found = ", ".join(str(_m(c).get("name")) for c in containers) or "none"
-        out.append(
-            Problem(
-                obj=obj,
-                path=f"{job_path}.template.spec.template.spec.containers",
-                message=f"no container named 'node' (found {found}): the torch plugin "
-                "injects PET_* and the TrainJob's image, command and args only there",
-            )
-        )
-    command = [*_l(_m(node[0]).get("command")), *_l(_m(node[0]).get("args"))] if node else []
-    counts: list[int] = []
-    for rule in _l(_m(job_spec.get("successPolicy")).get("rules")):
-        count = _m(rule).get("succeededCount")
-        if isinstance(count, int):
-            counts.append(count)
-    num_nodes = ml.get("numNodes")
-    meta = _m(doc.get("metadata"))
-    return out, Runtime(
-        obj=obj,
-        kind=str(doc.get("kind")),
-        name=str(meta.get("name")),
-        namespace=meta.get("namespace") if doc.get("kind") == "TrainingRuntime" else None,
-        num_nodes=num_nodes if isinstance(num_nodes, int) else None,
-        node_range=_node_range(command),
-        job_name=str(_m(jobs[index]).get("name")),
-        min_completions_needed=max(counts, default=0),
-    )
+    return out, runtime
 
 
 def trainjob_problems(
