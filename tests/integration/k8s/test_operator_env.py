@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 import pytest
+from k8s_pods import Mounts
 
 from flexrun.k8s.render import render
 from flexrun.k8s.spec import parse_job_spec
@@ -84,13 +85,19 @@ class Pods:
     def __init__(self, job: dict[str, Any], tmp: Path, dns: dict[str, str]) -> None:
         self.job, self.tmp, self.dns = job, tmp, dns
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # The job Secret's volume, as a local directory (what the kubelet mounts).
+        secret = tmp / "job-secret"
+        secret.mkdir()
+        (secret / "secret").write_text("operator-env-" + os.urandom(16).hex())
+        (secret / "secret").chmod(0o440)
+        self.mounts = Mounts({"/var/run/flexrun/secret": secret})
 
     def start(self, index: int) -> subprocess.Popen[bytes]:
         name = f"{self.job['metadata']['name']}-worker-{index}"
         worker = self.job["spec"]["pytorchReplicaSpecs"]["Worker"]
         (container,) = worker["template"]["spec"]["containers"]
         assert container["command"] == ["flexrun", "run"]
-        cenv = _container_env(container, name)
+        cenv = {k: self.mounts.rewrite(v) for k, v in _container_env(container, name).items()}
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
         env.update(operator_env(self.job))
         host, port = env["PET_RDZV_ENDPOINT"].rsplit(":", 1)
@@ -245,6 +252,8 @@ def test_operator_env_for_the_rendered_job_carries_every_launcher_setting() -> N
         "PET_RDZV_ENDPOINT": "envcheck-etcd:2379",
         "PET_MAX_RESTARTS": "2",
         "PET_RDZV_ID": "envcheck",
-        "PET_RDZV_CONF": "join_timeout=90",
+        # etcd's TLS files from the mounted Secret (the rendered etcd requires client certs)
+        "PET_RDZV_CONF": "join_timeout=90,cacert=/var/run/flexrun/etcd/ca.crt,"
+        "cert=/var/run/flexrun/etcd/tls.crt,key=/var/run/flexrun/etcd/tls.key",
     }
     assert not exit_code_policy_retries(1) and exit_code_policy_retries(143)
