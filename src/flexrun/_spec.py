@@ -28,8 +28,14 @@ _SCALAR = (str, int, float)
 
 
 def fail(path: str, message: str) -> SpecError:
-    """A :class:`SpecError` for the field at ``path`` (``path: message``)."""
-    return SpecError(f"{path}: {message}" if path else message)
+    """A :class:`SpecError` for the field at ``path`` (``path: message``), on one line."""
+    text = f"{path}: {message}" if path else message
+    return SpecError(text.replace("\r", "\\r").replace("\n", "\\n"))
+
+
+def key_text(key: object) -> str:
+    """A mapping key as it reads in a dotted path (``repr`` when it is not plain text)."""
+    return key if isinstance(key, str) and key.isprintable() and key else repr(key)
 
 
 def _is_scalar(value: object) -> bool:
@@ -171,7 +177,7 @@ class SpecReader:
             raise fail(self.at(key), f"must be a mapping (got {type(value).__name__})")
         out = []
         for k, v in value.items():
-            where = f"{self.at(key)}.{k}"
+            where = f"{self.at(key)}.{key_text(k)}"
             if key_pattern is not None and (not isinstance(k, str) or not key_pattern.match(k)):
                 raise fail(where, f"is not a valid {what}")
             if not _is_scalar(v):
@@ -181,7 +187,7 @@ class SpecReader:
 
     def done(self) -> None:
         """Raises SpecError naming the first field no getter asked for."""
-        unknown = sorted(str(k) for k in self.data if k not in self._used)
+        unknown = sorted(key_text(k) for k in self.data if k not in self._used)
         if unknown:
             raise fail(self.at(unknown[0]), "unknown field")
 
@@ -253,6 +259,7 @@ def parse_yaml_documents(text: str, source: str) -> list[Any]:
 __all__ = [
     "SpecReader",
     "fail",
+    "key_text",
     "load_yaml",
     "load_yaml_documents",
     "parse_yaml_documents",

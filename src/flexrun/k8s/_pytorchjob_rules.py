@@ -10,7 +10,7 @@ here and checked by ``kubernetes-validate`` when it is installed (see ``validate
 Also owns the Kubeflow v1 admission-webhook rules that no schema can express
 (:func:`webhook_problems`) and :func:`check_pytorchjob`, both together.
 
-``tests/unit/k8s/test_rules_drift.py`` compares every property list below with the real
+``tests/unit/k8s/test_k8s_shared_crd.py`` compares every property list below with the real
 CRD when ``../shared/schemas`` is present, so a drift shows up as a failing test.
 """
 

@@ -37,7 +37,6 @@ from flexrun import exitcodes
 from flexrun.k8s.objects import (
     Manifest,
     etcd_client_conf,
-    labels,
     meta,
     store_port,
     store_service_name,
@@ -225,7 +224,6 @@ __all__ = [
     "API_VERSION",
     "NODE",
     "failure_policy",
-    "labels",
     "launcher_command",
     "pod_failure_policy",
     "render_job",

@@ -100,16 +100,19 @@ def schema_check(obj: str, doc: Mapping[str, Any]) -> list[Problem]:
 def _node_range(command: Sequence[Any]) -> tuple[int, int] | None:
     """``--nnodes MIN:MAX`` (or N) of a ``flexrun run`` argv, if it is one and has it."""
     argv = [str(a) for a in command]
-    if argv[:2] != ["flexrun", "run"] and argv[1:3] != ["-m", "flexrun"]:
+    starts = [i for i in range(len(argv) - 1) if argv[i : i + 2] == ["flexrun", "run"]]
+    if not starts:
         return None
-    for i, a in enumerate(argv):
-        value = argv[i + 1] if a in ("--nnodes",) and i + 1 < len(argv) else None
+    rest = argv[starts[0] + 2 :]
+    for i, a in enumerate(rest):
+        value = rest[i + 1] if a == "--nnodes" and i + 1 < len(rest) else None
         if a.startswith("--nnodes="):
             value = a.split("=", 1)[1]
         if value is not None:
             parts = value.split(":")
             if len(parts) in (1, 2) and all(p.isdigit() for p in parts):
                 return int(parts[0]), int(parts[-1])
+            return None
     return None
 
 
