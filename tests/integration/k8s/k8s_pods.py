@@ -19,18 +19,11 @@ conftest). Each function mirrors one piece of Kubernetes:
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 Doc = dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def expand(text: str, env: Mapping[str, str]) -> str:

@@ -30,9 +30,9 @@ from k8s_pods import (
     container_env,
     effective_trainer_container,
     expand,
-    free_port,
     torch_plugin_env,
 )
+from support import free_port
 
 from flexrun.errors import StoreUnavailable
 from flexrun.k8s.render import render

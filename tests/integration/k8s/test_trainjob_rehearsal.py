@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,9 @@ from k8s_pods import (
     container_env,
     effective_trainer_container,
     expand,
-    free_port,
     torch_plugin_env,
 )
+from support import free_port, wait_for
 
 from flexrun.config import is_this_host
 from flexrun.k8s.render import render
@@ -57,15 +57,6 @@ JOB = "rh"
 STORE_POD_IP = "127.0.0.2"
 STEPS, SAMPLES, GLOBAL_BATCH = 400, 240, 24
 Doc = dict[str, Any]
-
-
-def _wait_for(pred: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def _spec(store_port: int) -> Doc:
@@ -140,7 +131,7 @@ class Cluster:
         cenv = container_env(c, {"status.podIP": STORE_POD_IP})
         argv = [expand(a, cenv) for a in c["command"]]
         self._start("store", argv, {**self._base_env(), **cenv})
-        _wait_for(lambda: b"listening" in self.log_bytes("store"), 60, "the store")
+        wait_for(lambda: b"listening" in self.log_bytes("store"), 60, "the store")
 
     def start_pod(self, index: int) -> tuple[str, subprocess.Popen[bytes]]:
         """Pod ``index`` of the TrainJob (a new pod each call, as JobSet recreates it)."""
@@ -163,7 +154,7 @@ class Cluster:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         code = proc.wait(timeout=30)
-        _wait_for(lambda: not any(p.is_running() and p.status() != "zombie" for p in victims), 30,
+        wait_for(lambda: not any(p.is_running() and p.status() != "zombie" for p in victims), 30,
                   "the killed pod's processes to be gone")  # fmt: skip
         return code
 
@@ -232,7 +223,7 @@ def test_three_pods_one_lost_and_recreated_with_its_index_trains_every_sample_on
         cluster.start_store()
         pods = {i: cluster.start_pod(i) for i in range(3)}
         t0 = time.time()
-        _wait_for(lambda: 3 in _worlds_since(pvc, t0), 240, "the 3 pods to train as one job")
+        wait_for(lambda: 3 in _worlds_since(pvc, t0), 240, "the 3 pods to train as one job")
 
         # Pod 1 is lost with its node. Its container exits 137; the rendered pod failure
         # policy counts it (backoffLimit) and the Job recreates the pod, same index.
@@ -248,14 +239,14 @@ def test_three_pods_one_lost_and_recreated_with_its_index_trains_every_sample_on
         def survivors_trained() -> bool:
             return len([r for r in _lines(pvc) if r["ts"] > t_kill and r["world"] == 2]) >= 2 * 3
 
-        _wait_for(survivors_trained, 180, "the two other pods to keep training")
+        wait_for(survivors_trained, 180, "the two other pods to keep training")
         for i in (0, 2):
             assert pods[i][1].poll() is None, cluster.logs()
 
         # JobSet/Job recreate pod 1: a new pod, same completion index.
         name, replacement = cluster.start_pod(1)
         t_back = time.time()
-        _wait_for(lambda: 3 in _worlds_since(pvc, t_back), 240, "the replacement to rejoin")
+        wait_for(lambda: 3 in _worlds_since(pvc, t_back), 240, "the replacement to rejoin")
         for i in (0, 2):
             assert pods[i][1].poll() is None, cluster.logs()
 
