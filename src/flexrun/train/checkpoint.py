@@ -251,6 +251,7 @@ class Checkpointer(RankZero):
             self.options.max_failed_saves, self.options.failed_saves_grace_s
         )
         self._fence_claimed = False
+        self._generation = self._ctx.round
         self._setup_events(events)
         if self._ctx.is_main:
             try:
@@ -266,7 +267,7 @@ class Checkpointer(RankZero):
             FencedError: a newer round owns the directory.
             CheckpointError: the fence cannot be read or written.
         """
-        self._proto.claim(self._ctx.round)
+        self._generation = self._proto.claim(run=self._ctx.run_id, round=self._ctx.round)
         self._fence_claimed = True
 
     # -- registration -------------------------------------------------------------------
@@ -511,7 +512,7 @@ class Checkpointer(RankZero):
     ) -> Manifest:
         """Write every file of ``step`` and publish it; on failure leave nothing behind."""
         hook = self._fault_hook or (lambda _stage: None)
-        staged = self._proto.begin(step, self._ctx.round)
+        staged = self._proto.begin(step, round=self._ctx.round, generation=self._generation)
         published = False
         try:
             hook("dir_created")

@@ -47,9 +47,11 @@ from flexrun.train.layout import (
     MANIFEST,
     STEP_RE,
     FaultHook,
+    FenceRecord,
     Manifest,
     Staged,
     Writer,
+    claim_decision,
     fenced_message,
     parse_fence,
     parse_latest,
@@ -109,8 +111,8 @@ def list_steps(storage: Storage, root: str) -> list[int]:
     return sorted(steps)
 
 
-def read_fence(storage: Storage, root: str) -> int | None:
-    """The highest round that claimed ``root``, or ``None``.
+def read_fence_record(storage: Storage, root: str) -> FenceRecord | None:
+    """The ``fence.json`` record of ``root``, or ``None``.
 
     Raises:
         CheckpointError: the fence record exists but cannot be read.
@@ -120,39 +122,55 @@ def read_fence(storage: Storage, root: str) -> int | None:
     return parse_fence(storage.read_bytes(storage.join(root, FENCE)), root)
 
 
+def read_fence(storage: Storage, root: str) -> int | None:
+    """The highest writer generation (the round, within a run's first epoch) that claimed
+    ``root``, or ``None``.
+
+    Raises:
+        CheckpointError: the fence record exists but cannot be read.
+    """
+    record = read_fence_record(storage, root)
+    return None if record is None else record.generation
+
+
 def check_fence(storage: Storage, root: str, round: int) -> None:
-    """Raise :class:`FencedError` if a newer round than ``round`` has claimed ``root``."""
+    """Raise :class:`FencedError` if a newer generation than ``round`` (a writer's
+    generation) has claimed ``root``."""
     fenced = read_fence(storage, root)
     if fenced is not None and fenced > round:
         raise FencedError(fenced_message(root, fenced, round))
 
 
-def claim_fence(storage: Storage, root: str, round: int) -> None:
-    """Record ``round`` as the directory's newest writer round (never lowers it).
+def claim_fence(storage: Storage, root: str, round: int, *, run: str = "local") -> int:
+    """Record this writer (``round`` of run ``run``) as the directory's newest (never lowers
+    it; see :func:`flexrun.train.layout.claim_decision`); return its generation.
 
     Raises:
-        FencedError: a newer round already claimed it.
+        FencedError: a newer round of the same run already claimed it.
         CheckpointError: the record cannot be written.
     """
     storage.makedirs(root)
-    check_fence(storage, root, round)
-    if read_fence(storage, root) == round:
-        return
-    tmp = storage.join(root, f".fence-r{round}-{uuid.uuid4().hex}")
-    payload = b'{"round": %d}' % round
+    record, generation = claim_decision(
+        read_fence_record(storage, root), run=run, round=round, where=root
+    )
+    if record is None:
+        return generation
+    tmp = storage.join(root, f".fence-r{generation}-{uuid.uuid4().hex}")
+    payload = record.to_json()
     storage.write_file(tmp, lambda f: f.write(payload))
     try:
         storage.rename(tmp, storage.join(root, FENCE), replace=True)
     except CheckpointError:
         _remove_quietly(storage, tmp)
         raise
+    return generation
 
 
 def remove_stale_staging(storage: Storage, root: str, round: int) -> list[str]:
     """Delete staging/trash directories and temporary pointer/fence files left by crashed
-    writers of rounds <= ``round``.
+    writers of generations <= ``round`` (a writer's generation).
 
-    Only the one writer of ``round`` may call this, before it starts writing.
+    Only the one writer of that generation may call this, before it starts writing.
     """
     removed = []
     for name in storage.list_dir(root):
@@ -179,8 +197,10 @@ def commit_checkpoint(
     meta: Mapping[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     fault_hook: FaultHook | None = None,
+    generation: int | None = None,
 ) -> Manifest:
-    """Write ``files`` (name -> writer callable) as checkpoint ``step`` and commit it.
+    """Write ``files`` (name -> writer callable) as checkpoint ``step`` and commit it
+    (``generation``: the writer's fencing generation; default its round).
 
     Either the whole checkpoint becomes visible as ``step_<step>`` or nothing does; the
     staging directory is removed on failure.
@@ -190,8 +210,9 @@ def commit_checkpoint(
         CheckpointError: any write, sync or rename failed (e.g. disk full).
     """
     hook = fault_hook or (lambda _stage: None)
-    check_fence(storage, root, round)
-    tmp = staging_dir(storage, root, step, round)
+    gen = round if generation is None else generation
+    check_fence(storage, root, gen)
+    tmp = staging_dir(storage, root, step, gen)
     committed = False
     try:
         storage.makedirs(tmp)
@@ -215,6 +236,7 @@ def commit_checkpoint(
             meta=meta,
             clock=clock,
             fault_hook=fault_hook,
+            generation=generation,
         )
         committed = True
         return manifest
@@ -238,6 +260,7 @@ def finalize_staged(
     meta: Mapping[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     fault_hook: FaultHook | None = None,
+    generation: int | None = None,
 ) -> Manifest:
     """Commit a staging directory whose data files are durable: manifest, fence, rename, latest.
 
@@ -248,6 +271,7 @@ def finalize_staged(
         CheckpointError: a write, sync or rename failed.
     """
     hook = fault_hook or (lambda _stage: None)
+    gen = round if generation is None else generation
     final = storage.join(root, step_dir_name(step))
     manifest = Manifest(
         step=step,
@@ -256,25 +280,26 @@ def finalize_staged(
         created=clock.wall(),
         files={k: dict(v) for k, v in entries.items()},
         meta=dict(meta or {}),
+        generation=generation,
     )
     body = manifest.to_json()
     storage.write_file(storage.join(tmp, MANIFEST), lambda f: f.write(body))
     hook("manifest_written")
     # The pointer's bytes are written before anything is published, so a full disk fails
     # the save here and never after the checkpoint became visible.
-    pointer = storage.join(root, f".latest-r{round}-{uuid.uuid4().hex[:12]}")
+    pointer = storage.join(root, f".latest-r{gen}-{uuid.uuid4().hex[:12]}")
     name_bytes = step_dir_name(step).encode()
     storage.write_file(pointer, lambda f: f.write(name_bytes))
     trash: str | None = None
     published = False
     try:
-        check_fence(storage, root, round)
+        check_fence(storage, root, gen)
         hook("fence_checked")
         if step in list_steps(storage, root):
             # Re-saving a step (a resumed run redoing work after falling back past a bad
             # checkpoint): move the old one aside first; it comes back if this one fails.
             trash = storage.join(
-                root, f".trash-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}"
+                root, f".trash-{step_dir_name(step)}-r{gen}-{uuid.uuid4().hex[:12]}"
             )
             storage.rename(final, trash, replace=False)
         try:
@@ -287,7 +312,7 @@ def finalize_staged(
         try:
             storage.rename(pointer, storage.join(root, LATEST), replace=True)
             hook("latest_updated")
-            check_fence(storage, root, round)
+            check_fence(storage, root, gen)
         except CheckpointError:
             # A newer round claimed the directory while we committed, or the storage
             # failed: withdraw ours, so that a save reported failed left nothing new.
@@ -363,27 +388,28 @@ class RenameCommit:
     def path(self, *parts: str) -> str:
         return self.storage.join(self.root, *parts)
 
-    def claim(self, round: int) -> None:
+    def claim(self, *, run: str, round: int) -> int:
         self.storage.makedirs(self.root)
-        claim_fence(self.storage, self.root, round)
+        generation = claim_fence(self.storage, self.root, round, run=run)
         try:
-            remove_stale_staging(self.storage, self.root, round)
+            remove_stale_staging(self.storage, self.root, generation)
         except CheckpointError as exc:  # leftovers only cost space; the next writer retries
             logging.getLogger(__name__).warning(
                 "could not remove stale checkpoint staging: %s", exc
             )
+        return generation
 
-    def check_fence(self, round: int) -> None:
-        check_fence(self.storage, self.root, round)
+    def check_fence(self, generation: int) -> None:
+        check_fence(self.storage, self.root, generation)
 
     def steps(self) -> list[int]:
         return list_steps(self.storage, self.root)
 
-    def begin(self, step: int, round: int) -> Staged:
-        self.check_fence(round)
-        tmp = staging_dir(self.storage, self.root, step, round)
+    def begin(self, step: int, *, round: int, generation: int) -> Staged:
+        self.check_fence(generation)
+        tmp = staging_dir(self.storage, self.root, step, generation)
         self.storage.makedirs(tmp)
-        return Staged(step=step, round=round, path=tmp)
+        return Staged(step=step, round=round, generation=generation, path=tmp)
 
     def write(self, staged: Staged, name: str, writer: Writer) -> dict[str, Any]:
         if name == MANIFEST or "/" in name or os.sep in name:
@@ -412,6 +438,7 @@ class RenameCommit:
             meta=meta,
             clock=clock,
             fault_hook=fault_hook,
+            generation=staged.generation,
         )
 
     def discard(self, staged: Staged) -> None:

@@ -3,8 +3,9 @@
 Owns, for storage without rename: how a checkpoint becomes visible and how a straggler is
 kept from overwriting a newer round's. Layout under the root (``flexrun.train.layout``):
 ``fence.json``, ``latest``, and per checkpoint ``step_<N>/manifest.json`` plus the data
-objects of one writer attempt under ``step_<N>/r<round>-<id>/`` (the manifest's
-``data_dir``). :func:`open_commit` chooses this protocol or the POSIX one
+objects of one writer attempt under ``step_<N>/r<generation>-<id>/`` (the manifest's
+``data_dir``; the generation is the round, with the run's epoch in its high bits, see
+``flexrun.train.layout.claim_decision``). :func:`open_commit` chooses this protocol or the POSIX one
 (``flexrun.train.commit``) from the directory, once.
 
 Commit steps (each a fault-injection point in ``OBJECT_COMMIT_STAGES``): check the fence;
@@ -19,13 +20,14 @@ objects no manifest names.
 
 Failures: nothing before the manifest is visible to a reader, so a failed or killed save
 leaves only unnamed objects (and, for a killed multipart upload, an incomplete upload);
-the next writer's :meth:`ObjectCommit.claim` deletes those of rounds <= its own and aborts
-their incomplete uploads. An error after the manifest PUT withdraws it (a conditional
+the next writer's :meth:`ObjectCommit.claim` deletes those of generations <= its own and
+aborts their incomplete uploads. An error after the manifest PUT withdraws it (a conditional
 delete of exactly that version) and puts back the manifest it replaced.
 
 Fencing: ``fence.json`` is raised by compare-and-set and never lowered; a manifest of
-round R is never replaced by a writer of a round below R (the conditional PUT fails if it
-changed since the writer read it). Where the store has no conditional writes
+generation G is never replaced by a writer of a lower generation (the conditional PUT
+fails if it changed since the writer read it). A new run of the job (its rounds start at
+0 again) takes the next epoch, so a resumed job is never locked out by its own past. Where the store has no conditional writes
 (``ObjectStore.conditional`` false), the same checks run just before each write:
 best-effort, a window of one request remains.
 """
@@ -49,9 +51,11 @@ from flexrun.train.layout import (
     STEP_RE,
     CommitProtocol,
     FaultHook,
+    FenceRecord,
     Manifest,
     Staged,
     Writer,
+    claim_decision,
     fenced_message,
     parse_fence,
     parse_latest,
@@ -97,48 +101,47 @@ class ObjectCommit:
 
     # -- the fence -------------------------------------------------------------------------
 
-    def _read_fence(self) -> tuple[int, str] | None:
+    def _read_fence(self) -> tuple[FenceRecord, str] | None:
         got = self.store.get(self._key(FENCE))
         if got is None:
             return None
         return parse_fence(got[0], self.path()), got[1]
 
-    def check_fence(self, round: int) -> None:
+    def check_fence(self, generation: int) -> None:
         fence = self._read_fence()
-        if fence is not None and fence[0] > round:
-            raise FencedError(fenced_message(self.path(), fence[0], round))
+        if fence is not None and fence[0].generation > generation:
+            raise FencedError(fenced_message(self.path(), fence[0].generation, generation))
 
-    def claim(self, round: int) -> None:
+    def claim(self, *, run: str, round: int) -> int:
         for _ in range(_CLAIM_TRIES):
             fence = self._read_fence()
-            if fence is not None and fence[0] > round:
-                raise FencedError(fenced_message(self.path(), fence[0], round))
-            if fence is not None and fence[0] == round:
+            record, generation = claim_decision(
+                None if fence is None else fence[0], run=run, round=round, where=self.path()
+            )
+            if record is None:
                 break
-            body = b'{"round": %d}' % round
             try:
                 if fence is None:
-                    self.store.put(self._key(FENCE), body, if_absent=True)
+                    self.store.put(self._key(FENCE), record.to_json(), if_absent=True)
                 else:
-                    self.store.put(self._key(FENCE), body, if_match=fence[1])
+                    self.store.put(self._key(FENCE), record.to_json(), if_match=fence[1])
                 break
             except PreconditionFailed:
                 continue  # another writer moved the fence meanwhile: read it again
         else:
-            raise CheckpointError(
-                f"could not claim the checkpoint fence of {self.path()}: contended"
-            )
+            raise CheckpointError(f"could not claim the checkpoint fence of {self.path()}: contended")
         try:
-            self._remove_stale(round)
+            self._remove_stale(generation)
         except CheckpointError as exc:  # leftovers only cost space; the next writer retries
             log.warning("could not remove what crashed checkpoint writers left: %s", exc)
+        return generation
 
-    def _remove_stale(self, round: int) -> None:
-        """Delete attempt objects no manifest names and abort incomplete uploads, of rounds
-        <= ``round`` (only the one writer of ``round`` calls this, before it writes)."""
+    def _remove_stale(self, generation: int) -> None:
+        """Delete attempt objects no manifest names and abort incomplete uploads, of
+        generations <= ``generation`` (only its one writer calls this, before it writes)."""
         for path, upload_id in self.store.incomplete_uploads(self._key()):
             rel = path[len(self._key()) :].strip("/").split("/")
-            if len(rel) >= 2 and STEP_RE.match(rel[0]) and _stale(rel[1], round, keep=None):
+            if len(rel) >= 2 and STEP_RE.match(rel[0]) and _stale(rel[1], generation, keep=None):
                 self.store.abort_upload(path, upload_id)
         for name in self.store.children(self._key()):
             m = STEP_RE.match(name)
@@ -149,7 +152,7 @@ class ObjectCommit:
             stale = [
                 self._key(name, rel)
                 for rel in objects
-                if rel != MANIFEST and _stale(rel.split("/", 1)[0], round, keep=referenced)
+                if rel != MANIFEST and _stale(rel.split("/", 1)[0], generation, keep=referenced)
             ]
             self.store.delete(stale)
 
@@ -189,12 +192,13 @@ class ObjectCommit:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def begin(self, step: int, round: int) -> Staged:
-        self.check_fence(round)
-        attempt = f"r{round}-{uuid.uuid4().hex[:12]}"
+    def begin(self, step: int, *, round: int, generation: int) -> Staged:
+        self.check_fence(generation)
+        attempt = f"r{generation}-{uuid.uuid4().hex[:12]}"
         return Staged(
             step=step,
             round=round,
+            generation=generation,
             path=self._key(step_dir_name(step), attempt),
             data_dir=attempt,
         )
@@ -225,9 +229,10 @@ class ObjectCommit:
             files={safe_name(k, "checkpoint file name"): dict(v) for k, v in entries.items()},
             meta=dict(meta or {}),
             data_dir=staged.data_dir,
+            generation=staged.generation,
         )
         self._check_objects(staged, manifest)
-        self.check_fence(staged.round)
+        self.check_fence(staged.generation)
         hook("fence_checked")
         mkey = self._key(step_dir_name(staged.step), MANIFEST)
         token, previous = self._put_manifest(mkey, manifest)
@@ -235,7 +240,7 @@ class ObjectCommit:
         try:
             self.store.put(self._key(LATEST), step_dir_name(staged.step).encode())
             hook("latest_updated")
-            self.check_fence(staged.round)
+            self.check_fence(staged.generation)
         except CheckpointError:
             # A newer round claimed the directory while we committed, or the store failed:
             # withdraw ours, so that a save reported failed left nothing new.
@@ -268,18 +273,19 @@ class ObjectCommit:
         try:
             if current is None:
                 return self.store.put(mkey, body, if_absent=True), None
-            old_round = _round_of(current[0])
-            if old_round is not None and old_round > manifest.round:
-                raise FencedError(fenced_message(self.path(), old_round, manifest.round))
+            old = _generation_of(current[0])
+            if old is not None and old > manifest.fence_generation:
+                raise FencedError(fenced_message(self.path(), old, manifest.fence_generation))
             return self.store.put(mkey, body, if_match=current[1]), current[0]
         except PreconditionFailed as exc:
             now = self.store.get(mkey)
-            newer = None if now is None else _round_of(now[0])
-            if newer is not None and newer > manifest.round:
-                raise FencedError(fenced_message(self.path(), newer, manifest.round)) from exc
+            newer = None if now is None else _generation_of(now[0])
+            mine = manifest.fence_generation
+            if newer is not None and newer > mine:
+                raise FencedError(fenced_message(self.path(), newer, mine)) from exc
             raise CheckpointError(
-                f"{self.store.url(mkey)} was written by another writer of round {newer} "
-                f"while this one (round {manifest.round}) committed"
+                f"{self.store.url(mkey)} was written by another writer (generation {newer}) "
+                f"while this one (generation {mine}) committed"
             ) from exc
 
     def _withdraw(self, mkey: str, token: str, previous: bytes | None) -> None:
@@ -294,7 +300,7 @@ class ObjectCommit:
         stale = [
             self.store.join(prefix, rel)
             for rel in self.store.listing(prefix)
-            if rel != MANIFEST and _stale(rel.split("/", 1)[0], staged.round, keep=staged.data_dir)
+            if rel != MANIFEST and _stale(rel.split("/", 1)[0], staged.generation, keep=staged.data_dir)
         ]
         self.store.delete(stale)
 
@@ -312,14 +318,14 @@ class ObjectCommit:
         self.store.delete([self.store.join(prefix, rel) for rel in self.store.listing(prefix)])
 
 
-def _stale(attempt: str, round: int, *, keep: str | None) -> bool:
+def _stale(attempt: str, generation: int, *, keep: str | None) -> bool:
     m = _ATTEMPT_RE.match(attempt)
-    return m is not None and attempt != keep and int(m.group(1)) <= round
+    return m is not None and attempt != keep and int(m.group(1)) <= generation
 
 
-def _round_of(raw: bytes) -> int | None:
+def _generation_of(raw: bytes) -> int | None:
     try:
-        return Manifest.from_json(raw).round
+        return Manifest.from_json(raw).fence_generation
     except CheckpointError:
         return None  # a malformed manifest: anyone may replace it
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import flexrun
 from flexrun._clock import Clock
-from flexrun.errors import CheckpointError
+from flexrun.errors import CheckpointError, FencedError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -64,12 +64,18 @@ class Manifest:
     data_dir: str = ""
     """Sub-prefix of ``step_<N>/`` holding the data files (object stores: one per writer
     attempt, so no writer ever overwrites another's objects); empty: the step directory."""
+    generation: int | None = None
+    """The writer's fencing generation (see :func:`claim_decision`); None: its round."""
     format_version: int = FORMAT_VERSION
     flexrun_version: str = flexrun.__version__
 
     @property
     def total_bytes(self) -> int:
         return sum(int(f["size"]) for f in self.files.values())
+
+    @property
+    def fence_generation(self) -> int:
+        return self.round if self.generation is None else self.generation
 
     def to_json(self) -> bytes:
         d: dict[str, Any] = {
@@ -84,6 +90,8 @@ class Manifest:
         }
         if self.data_dir:
             d["data_dir"] = self.data_dir
+        if self.generation is not None:
+            d["generation"] = self.generation
         return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -111,6 +119,7 @@ class Manifest:
             data_dir = str(d.get("data_dir") or "")
             if data_dir:
                 safe_name(data_dir, "manifest data_dir")
+            generation = d.get("generation")
             return cls(
                 step=int(d["step"]),
                 round=int(d["round"]),
@@ -119,6 +128,7 @@ class Manifest:
                 files=files,
                 meta=dict(d.get("meta") or {}),
                 data_dir=data_dir,
+                generation=None if generation is None else int(generation),
                 flexrun_version=str(d.get("flexrun_version", "")),
             )
         except CheckpointError:
@@ -127,17 +137,76 @@ class Manifest:
             raise CheckpointError(f"manifest is malformed: {exc}") from exc
 
 
-def parse_fence(raw: bytes, where: str) -> int:
-    """The round a ``fence.json`` record names.
+EPOCH_SHIFT = 32
+"""A fencing generation is ``epoch << EPOCH_SHIFT | round``: rounds order writers within
+one run; each new run (job incarnation) that claims a directory starts a new epoch."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FenceRecord:
+    """``fence.json``: the newest writer generation that claimed a directory, and its run."""
+
+    generation: int
+    run: str | None
+
+    @property
+    def epoch(self) -> int:
+        return self.generation >> EPOCH_SHIFT
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "generation": self.generation,
+                "epoch": self.epoch,
+                "round": self.generation & ((1 << EPOCH_SHIFT) - 1),
+                "run": self.run,
+            },
+            sort_keys=True,
+        ).encode()
+
+
+def parse_fence(raw: bytes, where: str) -> FenceRecord:
+    """The record in ``fence.json`` (older records hold only ``round``).
 
     Raises:
-        CheckpointError: not a JSON object with an integer ``round``.
+        CheckpointError: not a JSON object with an integer ``generation`` or ``round``.
     """
     try:
         d = json.loads(raw)
-        return int(d["round"])
+        if not isinstance(d, dict):
+            raise TypeError("not a JSON object")
+        generation = int(d["generation"] if "generation" in d else d["round"])
+        run = d.get("run")
+        return FenceRecord(generation=generation, run=None if run is None else str(run))
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"fence record in {where} is malformed: {exc}") from exc
+
+
+def claim_decision(
+    current: FenceRecord | None, *, run: str, round: int, where: str
+) -> tuple[FenceRecord | None, int]:
+    """What a writer of ``round`` in run ``run`` claims: the record to write (None: the
+    fence stays) and its generation. The same run keeps its epoch and orders by round
+    (an older round is a straggler); another run (a new incarnation of the job, whose
+    rounds start again) takes the next epoch, so every writer of the previous run is
+    fenced from then on.
+
+    Raises:
+        FencedError: a newer round of the same run already claimed the directory.
+    """
+    if round < 0 or round >= 1 << EPOCH_SHIFT:
+        raise CheckpointError(f"round {round} out of range")
+    if current is None:
+        return FenceRecord(generation=round, run=run), round
+    if current.run != run:
+        generation = ((current.epoch + 1) << EPOCH_SHIFT) | round
+        return FenceRecord(generation=generation, run=run), generation
+    generation = (current.epoch << EPOCH_SHIFT) | round
+    if current.generation > generation:
+        raise FencedError(fenced_message(where, current.generation, generation))
+    if current.generation == generation:
+        return None, generation
+    return FenceRecord(generation=generation, run=run), generation
 
 
 def parse_latest(raw: bytes) -> int | None:
@@ -146,10 +215,15 @@ def parse_latest(raw: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def fenced_message(root: str, fenced: int, round: int) -> str:
+def _describe(generation: int) -> str:
+    epoch, round = generation >> EPOCH_SHIFT, generation & ((1 << EPOCH_SHIFT) - 1)
+    return f"round {round}" if epoch == 0 else f"round {round} of run epoch {epoch}"
+
+
+def fenced_message(root: str, fenced: int, generation: int) -> str:
     return (
-        f"checkpoint directory {root} belongs to round {fenced}; this writer is from "
-        f"round {round} and must not write (a straggler of an old round)"
+        f"checkpoint directory {root} belongs to {_describe(fenced)}; this writer is from "
+        f"{_describe(generation)} and must not write (a straggler of an old round)"
     )
 
 
@@ -159,6 +233,8 @@ class Staged:
 
     step: int
     round: int
+    generation: int
+    """The writer's fencing generation (what ``claim`` returned)."""
     path: str
     """Directory (POSIX staging dir) or prefix (object store attempt) of the data files."""
     data_dir: str = ""
@@ -182,21 +258,22 @@ class CommitProtocol(Protocol):
         """A path (or URL) below the root, for events and for DCP."""
         ...
 
-    def claim(self, round: int) -> None:
-        """Record ``round`` as the directory's writer round (never lowering it) and remove
-        what crashed writers of rounds <= ``round`` left (staging, orphaned objects,
-        incomplete uploads). Raises FencedError when a newer round owns the directory."""
+    def claim(self, *, run: str, round: int) -> int:
+        """Claim the directory for this writer (:func:`claim_decision`; the fence is never
+        lowered), remove what crashed writers of older generations left (staging,
+        unnamed objects, incomplete uploads) and return this writer's generation. Raises
+        FencedError when a newer round of the same run owns the directory."""
         ...
 
-    def check_fence(self, round: int) -> None:
-        """Raise FencedError if a round newer than ``round`` claimed the directory."""
+    def check_fence(self, generation: int) -> None:
+        """Raise FencedError if a newer generation than ``generation`` claimed the directory."""
         ...
 
     def steps(self) -> list[int]:
         """Steps that have a committed (not necessarily verified) manifest, ascending."""
         ...
 
-    def begin(self, step: int, round: int) -> Staged:
+    def begin(self, step: int, *, round: int, generation: int) -> Staged:
         """Make a place for a new save's data files."""
         ...
 

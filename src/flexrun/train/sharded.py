@@ -237,10 +237,10 @@ class ShardedCheckpointer(RankZero):
         self._objects: dict[str, Stateful] = {}
         self._verified = VerifiedCache()
         self._setup_events(events)
-        error = None
+        error, self._generation = None, self._ctx.round
         if self._ctx.is_main:
             try:
-                self._proto.claim(self._ctx.round)
+                self._generation = self._proto.claim(run=self._ctx.run_id, round=self._ctx.round)
             except CheckpointError as exc:
                 error = str(exc)
         error = self._broadcast(error)
@@ -288,7 +288,9 @@ class ShardedCheckpointer(RankZero):
         staged, error = None, None
         if self._ctx.is_main:
             try:
-                staged = self._proto.begin(step, self._ctx.round)
+                staged = self._proto.begin(
+                    step, round=self._ctx.round, generation=self._generation
+                )
             except CheckpointError as exc:
                 error = str(exc)
         staged, error = self._broadcast((staged, error))
