@@ -245,6 +245,7 @@ class FsspecObjectStore:
             log.warning("could not remove the partial object %s: %s", self.url(path), exc)
 
     def read_chunks(self, path: str) -> Iterator[bytes]:
+        self._invalidate(path)  # never read with a cached size or etag of a replaced object
         try:
             fh = self.fs.open(path, "rb")
         except FileNotFoundError as exc:
