@@ -115,7 +115,9 @@ def test_a_corrupted_or_missing_object_falls_back_to_the_previous_checkpoint(
     loaded = c.load()
     assert loaded is not None and loaded.step == 1 and loaded.skipped == (3, 2)
     assert bool((big.t == 1).all())
-    reasons = [e["reason"] for e in read_events(tmp_path / "run") if e["event"] == "checkpoint_fallback"]
+    reasons = [
+        e["reason"] for e in read_events(tmp_path / "run") if e["event"] == "checkpoint_fallback"
+    ]
     assert "sha256 mismatch" in reasons[0] and "missing" in reasons[1]
 
 
