@@ -146,7 +146,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def ck_durable(_h: None, what: str) -> float:
         if what == "stall":  # the hold of the first optimizer step, already in step_while
-            return max(0.0, ck.last_stall_s - ck._save_stall_s)
+            return ck._p._copy_wait_s  # the first optimizer step's hold for the host copy
         ck.wait()
         return 0.0
 

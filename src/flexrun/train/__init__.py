@@ -15,13 +15,13 @@ from flexrun.train.context import TrainContext, current, init, shutdown
 from flexrun.train.env import WorkerEnv, read_env
 from flexrun.train.layout import Manifest
 from flexrun.train.metrics import MetricsLogger
-from flexrun.train.objstore import STORAGE_OPTIONS_ENV, storage_options_from_env
 from flexrun.train.options import CheckpointOptions
 from flexrun.train.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flexrun.train.preempt import PreemptionGuard
 from flexrun.train.progress import install_stack_dump, report_progress
 from flexrun.train.sampler import ElasticSampler
 from flexrun.train.sharded import ShardedCheckpointer
+from flexrun.train.storage_options import STORAGE_OPTIONS_ENV, storage_options_from_env
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -40,29 +39,24 @@ from flexrun.train.layout import (
     CommitProtocol,
     FaultHook,
     Manifest,
-    VerifiedCache,
-    prune,
-    step_dir_name,
     verify,
 )
-from flexrun.train.objstore import ObjectStore, storage_options_from_env
+from flexrun.train.objstore import ObjectStore
 from flexrun.train.options import DEFAULT_PERSIST_CPU_SHARE, CheckpointOptions
-from flexrun.train.pacing import CpuPacer
+from flexrun.train.persist import Persister
 from flexrun.train.progress import install_stack_dump
 from flexrun.train.serialize import (
-    enter_idle_priority,
     load_weights_only,
     save_without_zip_crc,
-    torch_writer,
 )
 from flexrun.train.state import (
     HostSnapshot,
     capture_rng,
     restore_rng,
-    run_copies,
     synchronize_device,
 )
 from flexrun.train.storage import Storage
+from flexrun.train.storage_options import storage_options_from_env
 
 __all__ = [
     "DEFAULT_PERSIST_CPU_SHARE",
@@ -160,23 +154,6 @@ class RankZero:
                 log.warning("could not log the %s event: %s", event, exc)
 
 
-class _FailedSaves:
-    """Counts saves the storage refused in a row; says when they must end the run."""
-
-    def __init__(self, limit: int, grace_s: float) -> None:
-        self.limit, self.grace_s = limit, grace_s
-        self.count = 0
-        self._since = 0.0
-
-    def record(self, now: float) -> tuple[int, float, bool]:
-        """One more failure at ``now``: (count, seconds failing, fatal)."""
-        if self.count == 0:
-            self._since = now
-        self.count += 1
-        failing_s = now - self._since
-        return self.count, failing_s, self.count >= self.limit and failing_s >= self.grace_s
-
-
 class Checkpointer(RankZero):
     """Saves and restores registered state under a directory or fsspec URL.
 
@@ -234,41 +211,26 @@ class Checkpointer(RankZero):
             directory, storage_options=resolve_storage_options(storage_options), storage=storage
         )
         self._clock = clock
-        self._fault_hook = fault_hook
         self._objects: dict[str, Stateful] = {}
         self._snapshot = HostSnapshot()
-        self._verified = VerifiedCache()
-        self._pacer: CpuPacer | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._copied = threading.Event()
-        self._copied.set()
-        self._copy_wait_s = 0.0
-        self._save_stall_s = 0.0
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self._closed = False
-        self._failures = _FailedSaves(
-            self.options.max_failed_saves, self.options.failed_saves_grace_s
-        )
-        self._fence_claimed = False
-        self._generation = self._ctx.round
         self._setup_events(events)
+        self._p = Persister(
+            self._proto,
+            ctx=self._ctx,
+            options=self.options,
+            clock=clock,
+            fault_hook=fault_hook,
+            emit=self._emit,
+            objects=lambda: list(self._objects),
+        )
         if self._ctx.is_main:
             try:
-                self._claim_fence()
+                self._p.claim_fence()
             except StorageFailure as exc:
                 log.warning("checkpoint fence not claimed yet (retried by the first save): %s", exc)
                 self._emit("checkpoint_fence_deferred", reason=exc.reason, error=str(exc))
-
-    def _claim_fence(self) -> None:
-        """Claim the directory for this round and remove what crashed writers left.
-
-        Raises:
-            FencedError: a newer round owns the directory.
-            CheckpointError: the fence cannot be read or written.
-        """
-        self._generation = self._proto.claim(run=self._ctx.run_id, round=self._ctx.round)
-        self._fence_claimed = True
 
     # -- registration -------------------------------------------------------------------
 
@@ -288,16 +250,21 @@ class Checkpointer(RankZero):
             self._optimizers.append(obj)
 
     def _hold_step_until_copied(self, *_args: Any) -> None:
-        if not self._copied.is_set():
-            t0 = self._clock.monotonic()
-            self._copied.wait()
-            self._copy_wait_s += self._clock.monotonic() - t0
+        self._p.hold_until_copied()
+
+    @property
+    def _fault_hook(self) -> FaultHook | None:
+        return self._p._fault_hook
+
+    @_fault_hook.setter
+    def _fault_hook(self, hook: FaultHook | None) -> None:  # tests inject faults here
+        self._p._fault_hook = hook
 
     @property
     def last_stall_s(self) -> float:
         """How long the last save blocked training: inside ``save()`` plus any wait of the
         next ``optimizer.step()`` for the deferred copy (so far)."""
-        return self._save_stall_s + self._copy_wait_s
+        return self._p._save_stall_s + self._p._copy_wait_s
 
     @property
     def directory(self) -> str:
@@ -307,13 +274,13 @@ class Checkpointer(RankZero):
     @property
     def persisting(self) -> bool:
         """True while a background persist is in flight."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._p.persisting
 
     @property
     def failed_saves(self) -> int:
         """How many saves in a row the storage refused (0 after a committed save). Only
         the writing rank (rank 0) counts; read it after ``wait()`` for the latest."""
-        return self._failures.count
+        return self._p._failures.count
 
     def steps(self) -> list[int]:
         """Committed (not necessarily verified) checkpoint steps, ascending."""
@@ -343,8 +310,8 @@ class Checkpointer(RankZero):
             raise CheckpointError("save() after close()")
         opts = self.options
         t0 = self._clock.monotonic()
-        self._join()
-        earlier = self._take_pending() if self._ctx.is_main else None
+        self._p.join()
+        earlier = self._p.take_pending() if self._ctx.is_main else None
         rng = capture_rng() if opts.save_rng else None
         # One collective tells every rank what rank 0 knows: they raise together instead
         # of leaving the others blocked in their next collective.
@@ -364,28 +331,16 @@ class Checkpointer(RankZero):
             payload[EXTRA_FILE] = copy.deepcopy(dict(extra or {}))  # the caller may mutate it
             if rngs is not None:
                 payload[RNG_FILE] = rngs
-            self._copy_wait_s = 0.0
-            self._save_stall_s = self._clock.monotonic() - t0
+            self._p._copy_wait_s = 0.0
+            self._p._save_stall_s = self._clock.monotonic() - t0
             if background:
-                if pending:
-                    self._copied.clear()
-                share = opts.persist_cpu_share
-                self._pacer = (
-                    CpuPacer(share, self._clock) if share is not None and share < 1 else None
-                )
-                self._thread = threading.Thread(
-                    target=self._persist_bg,
-                    args=(step, payload, pending),
-                    name=f"flexrun-ckpt-{step}",
-                )
-                self._thread.start()
-                self._save_stall_s = self._clock.monotonic() - t0
+                self._p.start(step, payload, pending)
             else:
                 try:
-                    self._persist(step, payload, background=False)
+                    self._p.persist(step, payload, background=False)
                 except CheckpointError as exc:
                     error = exc
-                self._save_stall_s = self._clock.monotonic() - t0
+            self._p._save_stall_s = self._clock.monotonic() - t0
         if foreground and self._distributed():
             # Also the barrier of a blocking save: no rank goes on before the commit.
             outcome = self._broadcast(None if error is None else str(error))
@@ -403,8 +358,8 @@ class Checkpointer(RankZero):
         Raises:
             CheckpointError: the background persist failed otherwise, or reached the limit.
         """
-        self._join()
-        err = self._take_pending()
+        self._p.join()
+        err = self._p.take_pending()
         if err is not None:
             raise err
 
@@ -419,22 +374,6 @@ class Checkpointer(RankZero):
         self._closed = True
         self.wait()
 
-    def _join(self) -> None:
-        if self._pacer is not None:
-            self._pacer.hurry()  # someone waits for it now: finish at full speed
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _take_pending(self) -> CheckpointError | None:
-        err, self._error = self._error, None
-        if err is None:
-            return None
-        what = str(err) if isinstance(err, CheckpointError) else repr(err)
-        out = CheckpointError(f"background checkpoint save failed: {what}")
-        out.__cause__ = err
-        return out
-
     def _deferrable(self) -> Callable[[torch.Tensor], bool] | None:
         """Tensors only ``optimizer.step()`` changes: parameters and optimizer state."""
         if not self._optimizers:
@@ -447,134 +386,6 @@ class Checkpointer(RankZero):
                 ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
         return lambda t: t.data_ptr() in ptrs
-
-    def _persist_bg(
-        self,
-        step: int,
-        payload: dict[str, Any],
-        pending: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        try:
-            try:
-                run_copies(pending)  # at normal priority: the next optimizer step waits on it
-            finally:
-                self._copied.set()
-            if self.options.persist_when_idle:
-                enter_idle_priority()
-            self._persist(step, payload, background=True)
-        except BaseException as exc:  # handed to the training thread on its next call
-            self._error = exc
-
-    def _persist(self, step: int, payload: dict[str, Any], *, background: bool) -> None:
-        t0 = self._clock.monotonic()
-        pacer = self._pacer if background else None
-        if pacer is not None:
-            pacer.start()
-        rate = self.options.persist_max_bytes_s if background else None
-        try:
-            if not self._fence_claimed:
-                self._claim_fence()
-            manifest = self._commit(step, payload, rate, pacer)
-        except StorageFailure as exc:
-            self._storage_failed(step, exc)
-            return
-        except CheckpointError as exc:
-            self._emit("checkpoint_save_failed", step=step, error=str(exc), fatal=True)
-            raise
-        self._failures.count = 0
-        self._verified.mark(self._proto, step)
-        persist_s = self._clock.monotonic() - t0
-        removed: list[int] = []
-        try:
-            removed = prune(
-                self._proto,
-                keep_last=self.options.keep_last,
-                keep_every=self.options.keep_every,
-                protect=step,
-                cache=self._verified,
-            )
-        except CheckpointError as exc:  # the new checkpoint is committed; pruning retries later
-            log.warning("checkpoint retention could not delete old checkpoints: %s", exc)
-        self._emit(
-            "checkpoint_saved",
-            step=step,
-            bytes=manifest.total_bytes,
-            # Background: time in save() plus the optimizer step's wait for the copy;
-            # foreground: the whole save, persisting included.
-            stall_s=round(self._save_stall_s + (self._copy_wait_s if background else persist_s), 6),
-            persist_s=round(persist_s, 6),
-            path=self._proto.path(step_dir_name(step)),
-            pruned=removed,
-        )
-
-    def _commit(
-        self, step: int, payload: dict[str, Any], rate: float | None, pacer: CpuPacer | None
-    ) -> Manifest:
-        """Write every file of ``step`` and publish it; on failure leave nothing behind."""
-        hook = self._fault_hook or (lambda _stage: None)
-        staged = self._proto.begin(step, round=self._ctx.round, generation=self._generation)
-        published = False
-        try:
-            hook("dir_created")
-            entries: dict[str, dict[str, Any]] = {}
-            for key, value in payload.items():
-                name = key if key.endswith(".pt") else f"{key}.pt"
-                writer = torch_writer(value, rate, self._clock, pacer)
-                entries[name] = self._proto.write(staged, name, writer)
-                hook("file_written")
-            hook("files_written")
-            manifest = self._proto.publish(
-                staged,
-                world_size=self._ctx.world_size,
-                entries=entries,
-                meta={"kind": "replicated", "objects": sorted(self._objects)},
-                clock=self._clock,
-                fault_hook=self._fault_hook,
-            )
-            published = True
-            return manifest
-        finally:
-            if not published:
-                try:
-                    self._proto.discard(staged)
-                except CheckpointError as cleanup:  # the original error matters more
-                    log.warning("checkpoint cleanup failed: %s", cleanup)
-
-    def _storage_failed(self, step: int, exc: StorageFailure) -> None:
-        """Report a save the storage refused; raise once ``max_failed_saves`` in a row did,
-        over at least ``failed_saves_grace_s``."""
-        count, failing_s, fatal = self._failures.record(self._clock.monotonic())
-        limit, grace = self._failures.limit, self._failures.grace_s
-        self._emit(
-            "checkpoint_save_failed",
-            step=step,
-            reason=exc.reason,
-            error=str(exc),
-            consecutive=count,
-            max_failed_saves=limit,
-            failing_s=round(failing_s, 3),
-            fatal=fatal,
-        )
-        if fatal:
-            raise CheckpointError(
-                f"{count} checkpoint saves in a row failed over {failing_s:.0f} s "
-                f"(max_failed_saves={limit}, failed_saves_grace_s={grace:g}), the last at "
-                f"step {step}: {exc}"
-            ) from exc
-        log.warning(
-            "checkpoint save at step %d failed (%s, %d in a row over %.0f s, limit %d over %g s); "
-            "training goes on, the previous checkpoints are intact and the next save tries "
-            "again: %s",
-            step,
-            exc.reason,
-            count,
-            failing_s,
-            limit,
-            grace,
-            exc,
-        )
-
-    # -- loading ------------------------------------------------------------------------
 
     def load(self, *, step: int | None = None) -> Loaded | None:
         """Restore the newest checkpoint that verifies (or exactly ``step``). Collective.
@@ -646,7 +457,7 @@ class Checkpointer(RankZero):
         if missing:
             raise CheckpointError(f"step_{step} lacks registered state {missing}")
         if before is not None and before == self._proto.fingerprint(step):
-            self._verified.mark(self._proto, step)  # unchanged while it was read
+            self._p._verified.mark(self._proto, step)  # unchanged while it was read
         return manifest, {
             (k[: -len(".pt")] if k not in (RNG_FILE, EXTRA_FILE) else k): v
             for k, v in state.items()

@@ -9,6 +9,9 @@ when the upload fails; incomplete uploads listed so a later writer can abort wha
 killed one left), listing with sizes and etags, deletion. It does not know what a
 checkpoint is, and it never renames: object stores have no atomic rename.
 
+S3's adapter is ``flexrun.train.objstore_s3``; storage options that come from the
+environment (and the refusal of credentials in them) are ``flexrun.train.storage_options``.
+
 Errors: a store that cannot be reached, times out or fails on its side (5xx) raises
 :class:`~flexrun.errors.StorageFailure` (``EIO``), which the Checkpointer counts like a
 full disk (training goes on, the next save tries again); access denied, a missing bucket
@@ -25,7 +28,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -318,129 +320,6 @@ class FsspecObjectStore:
         return None
 
 
-class S3ObjectStore(FsspecObjectStore):
-    """S3 and S3-compatible stores through s3fs: conditional PUTs (``If-None-Match``,
-    ``If-Match``; AWS since 2024, MinIO, moto 5), multipart uploads of
-    ``default_block_size`` bytes a part created with ``If-None-Match: *``, conditional
-    deletes, and listing and aborting incomplete multipart uploads."""
-
-    def __init__(self, fs: Any) -> None:
-        super().__init__(fs, kind="s3")
-        self.conditional = True
-
-    def _call(self, method: str, **kwargs: Any) -> Any:
-        from fsspec.asyn import sync
-
-        return sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
-
-    def _split(self, path: str) -> tuple[str, str]:
-        bucket, key, _version = self.fs.split_path(path)
-        return bucket, key
-
-    def put(
-        self, path: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
-    ) -> str:
-        bucket, key = self._split(path)
-        cond: dict[str, str] = {}
-        if if_absent:
-            cond["IfNoneMatch"] = "*"
-        if if_match is not None:
-            cond["IfMatch"] = if_match
-        try:
-            out = self._call("put_object", Bucket=bucket, Key=key, Body=data, **cond)
-        except Exception as exc:
-            if cond and _precondition_failed(exc):
-                raise PreconditionFailed(f"{self.url(path)}: {exc}") from exc
-            raise _translate("write", self.url(path), exc) from exc
-        self._invalidate(path)
-        return str(out.get("ETag", ""))
-
-    def get(self, path: str) -> tuple[bytes, str] | None:
-        from fsspec.asyn import sync
-
-        bucket, key = self._split(path)
-
-        async def fetch() -> tuple[bytes, str]:
-            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-            body = resp["Body"]
-            try:
-                data = await body.read()
-            finally:
-                body.close()
-            return bytes(data), str(resp.get("ETag", ""))
-
-        try:
-            return sync(self.fs.loop, fetch)
-        except FileNotFoundError:
-            return None
-        except Exception as exc:
-            raise _translate("read", self.url(path), exc) from exc
-
-    def _open_new(self, path: str) -> Any:
-        # "xb": the completing request carries If-None-Match: *, so an upload never
-        # replaces an object (keys are unique per writer attempt anyway).
-        return self.fs.open(path, "xb")
-
-    def delete_if_match(self, path: str, token: str) -> bool:
-        bucket, key = self._split(path)
-        try:
-            self._call("delete_object", Bucket=bucket, Key=key, IfMatch=token)
-        except FileNotFoundError:
-            return False
-        except Exception as exc:
-            if _precondition_failed(exc):
-                return False
-            raise _translate("delete", self.url(path), exc) from exc
-        self._invalidate(path)
-        return True
-
-    def incomplete_uploads(self, prefix: str) -> list[tuple[str, str]]:
-        bucket, key = self._split(prefix)
-        out: list[tuple[str, str]] = []
-        marker: dict[str, str] = {}
-        for _ in range(10_000):  # bounded pagination
-            try:
-                resp = self._call(
-                    "list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/", **marker
-                )
-            except Exception as exc:
-                raise _translate("list uploads", self.url(prefix), exc) from exc
-            out += [(f"{bucket}/{u['Key']}", str(u["UploadId"])) for u in resp.get("Uploads") or []]
-            if not resp.get("IsTruncated"):
-                break
-            marker = {
-                "KeyMarker": str(resp.get("NextKeyMarker", "")),
-                "UploadIdMarker": str(resp.get("NextUploadIdMarker", "")),
-            }
-        return out
-
-    def abort_upload(self, path: str, upload_id: str) -> None:
-        bucket, key = self._split(path)
-        try:
-            self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-        except FileNotFoundError:
-            return
-        except Exception as exc:
-            raise _translate("abort upload", self.url(path), exc) from exc
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """True when a request failed because its condition did not hold (HTTP 412, or 409
-    for a concurrent conditional write on S3)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        response = getattr(cur, "response", None)
-        if isinstance(response, Mapping):
-            code = str((response.get("Error") or {}).get("Code", ""))
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (412, 409):
-                return True
-        cur = cur.__cause__ or cur.__context__
-    return False
-
-
 def open_object_store(
     url: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[ObjectStore, str]:
@@ -466,89 +345,11 @@ def open_object_store(
             f"{url}: no fsspec filesystem for this URL and options: {exc}"
         ) from exc
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    s3 = "s3" in protocols or "s3a" in protocols
-    store: ObjectStore = S3ObjectStore(fs) if s3 else FsspecObjectStore(fs)
+    store: ObjectStore
+    if "s3" in protocols or "s3a" in protocols:
+        from flexrun.train.objstore_s3 import S3ObjectStore
+
+        store = S3ObjectStore(fs)
+    else:
+        store = FsspecObjectStore(fs)
     return store, str(root).rstrip("/") or "/"
-
-
-STORAGE_OPTIONS_ENV = "FLEXRUN_CHECKPOINT_STORAGE_OPTIONS"
-"""Environment variable holding a worker's checkpoint ``storage_options`` as a JSON object
-(set by the Kubernetes and pipeline renderers from ``checkpoint.storageOptions``)."""
-
-_SECRET_KEYS = frozenset(
-    {
-        "key",
-        "secret",
-        "password",
-        "passwd",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "secret_access_key",
-        "session_token",
-        "account_key",
-        "sas_token",
-        "client_secret",
-        "connection_string",
-        "credentials",
-    }
-)
-_TOKEN_MODES = frozenset({"anon", "cloud", "google_default", "browser", "cache"})
-
-
-def check_no_secrets(options: Mapping[str, Any], where: str) -> None:
-    """Refuse ``storage_options`` that carry a credential (they travel in environment
-    variables and rendered manifests; credentials belong in the store's own chain: an
-    instance or pod identity, a profile, ``AWS_*`` variables from a Secret).
-
-    Raises:
-        ConfigError: a key names a credential (``secret``, ``password``, ``sas_token`` ...).
-    """
-    from flexrun.errors import ConfigError
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, Mapping):
-            for k, v in obj.items():
-                name = str(k).lower()
-                secret = name in _SECRET_KEYS or name.endswith(("_secret", "_password", "_key_id"))
-                if name == "token" and not (isinstance(v, str) and v in _TOKEN_MODES):
-                    secret = True
-                if secret:
-                    raise ConfigError(
-                        f"{where}: {path}{k} looks like a credential; never put secrets in "
-                        "storage options: use the store's credential chain (pod/instance "
-                        "identity, a profile, AWS_* variables from a Kubernetes Secret)"
-                    )
-                walk(v, f"{path}{k}.")
-        elif isinstance(obj, list):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}{i}.")
-
-    walk(options, "")
-
-
-def storage_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``storage_options`` a launcher handed this worker in
-    ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS`` (JSON object; empty when unset).
-
-    Raises:
-        ConfigError: not a JSON object, or it carries a credential.
-    """
-    import json
-
-    from flexrun.errors import ConfigError
-
-    env = os.environ if environ is None else environ
-    raw = env.get(STORAGE_OPTIONS_ENV, "").strip()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{STORAGE_OPTIONS_ENV} is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ConfigError(
-            f"{STORAGE_OPTIONS_ENV} must be a JSON object, got {type(value).__name__}"
-        )
-    check_no_secrets(value, STORAGE_OPTIONS_ENV)
-    return value

@@ -23,7 +23,8 @@ from flexrun.errors import CheckpointError, FencedError, PreconditionFailed
 from flexrun.events import read_events
 from flexrun.train import Checkpointer, ShardedCheckpointer
 from flexrun.train.context import single_process_context
-from flexrun.train.objstore import S3ObjectStore, open_object_store
+from flexrun.train.objstore import open_object_store
+from flexrun.train.objstore_s3 import S3ObjectStore
 
 pytestmark = pytest.mark.timeout(120)
 
