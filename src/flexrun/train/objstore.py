@@ -228,15 +228,15 @@ class FsspecObjectStore:
         return self.fs.open(path, "wb")
 
     def _discard(self, f: Any, path: str) -> None:
-        """Throw away a failed upload: abort it (fsspec's ``discard``), remove what shows."""
+        """Throw away a failed upload: abort it (fsspec's ``discard``: S3 aborts the
+        multipart upload), never commit it, remove whatever shows at ``path``."""
         try:
             discard = getattr(f, "discard", None)
             if discard is not None:
                 discard()
-            if hasattr(f, "buffer"):
-                f.buffer = None  # AbstractBufferedFile: close() must not commit it now
-            if not getattr(f, "closed", True):
-                f.close()
+            if hasattr(f, "buffer"):  # AbstractBufferedFile: closing would commit it
+                f.buffer = None
+                f.closed = True
         except Exception as exc:  # the write's own error is the one raised
             log.warning("could not abort the upload of %s: %s", self.url(path), exc)
         try:
