@@ -14,7 +14,7 @@ COPY src ./src
 RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime
-ARG TORCH_SPEC="torch>=2.4"
+ARG TORCH_SPEC="torch>=2.10"
 ARG TORCH_INDEX=""
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN if [ -n "$TORCH_INDEX" ]; then python -m pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; \

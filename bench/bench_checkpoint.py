@@ -10,10 +10,14 @@ For a ~50M-parameter model with Adam state, in one process and one run:
    persists in the background.
 
 Usage: python bench/bench_checkpoint.py [--dir DIR] [--repeats 2] [--share 0.2 ...]
-       [--normal-priority] [--copy-in-save]
+       [--normal-priority] [--copy-in-save] [--stores local,s3] [--s3-endpoint URL]
 
 The headline rows are Checkpointer's DEFAULT settings and the unpaced variant
-(``persist_cpu_share=None``); the flags add variants for contrast.
+(``persist_cpu_share=None``); the flags add variants for contrast. ``--stores local,s3``
+runs every variant on the local filesystem and on an S3 API server side by side in one
+run (moto's server mode started here in its own process on 127.0.0.1, or
+``--s3-endpoint`` for a real one such as MinIO; credentials from the usual ``AWS_*``
+variables), and ends with a table of stall and persist time per store.
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import uuid
+from typing import Any
 
 import torch
 
@@ -57,6 +66,46 @@ def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> 
     return time.perf_counter() - t0
 
 
+class S3Server:
+    """moto's S3 server in a child process (so it does not share this process's GIL)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.close()
+        raise SystemExit("moto server did not start")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def s3_target(endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh bucket on ``endpoint``: (URL prefix, storage_options)."""
+    import boto3
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    bucket = f"bench-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    options = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    return f"s3://{bucket}", options
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
@@ -69,7 +118,12 @@ def main() -> None:
     )
     ap.add_argument("--normal-priority", action="store_true", help="add a non-SCHED_IDLE variant")
     ap.add_argument("--copy-in-save", action="store_true", help="add a defer_copy=False variant")
+    ap.add_argument("--stores", default="local", help="comma-separated: local, s3")
+    ap.add_argument("--s3-endpoint", default=None, help="S3 API endpoint (default: start moto)")
     args = ap.parse_args()
+    stores = [x.strip() for x in args.stores.split(",") if x.strip()]
+    server = S3Server() if "s3" in stores and args.s3_endpoint is None else None
+    endpoint = args.s3_endpoint or (server.endpoint if server else None)
     root = args.dir or tempfile.mkdtemp(prefix="flexrun-bench-")
     os.makedirs(root, exist_ok=True)
     model, opt = build(args.width, args.depth)
@@ -89,7 +143,7 @@ def main() -> None:
     sync_s = statistics.median(syncs)
     print(f"sync torch.save+fsync: median {sync_s:.3f} s  ({', '.join(f'{s:.3f}' for s in syncs)})")
 
-    results = {}
+    results: dict[str, tuple[float, list[float], float]] = {}
     variants: list[tuple[str, dict[str, object]]] = [
         ("DEFAULT settings", {}),
         ("unpaced (persist_cpu_share=None)", {"persist_cpu_share": None}),
@@ -100,11 +154,21 @@ def main() -> None:
         variants.append(("DEFAULT, but persist_when_idle=False", {"persist_when_idle": False}))
     if args.copy_in_save:
         variants.append(("DEFAULT, but defer_copy=False", {"defer_copy": False}))
-    for n, (label, options) in enumerate(variants):
+    runs: list[tuple[str, str, str, dict[str, Any] | None, dict[str, object]]] = []
+    for store in stores:
+        for n, (label, options) in enumerate(variants):
+            if store == "local":
+                runs.append((f"{label}", store, os.path.join(root, f"async-{n}"), None, options))
+            else:
+                assert endpoint is not None
+                url, sopts = s3_target(endpoint)
+                runs.append((f"{label} [s3]", store, f"{url}/async-{n}", sopts, options))
+    for label, _store, where, storage_options, options in runs:
         ck = Checkpointer(
-            os.path.join(root, f"async-{n}"),
+            where,
             ctx=single_process_context(),
             keep_last=1,
+            storage_options=storage_options,
             **options,  # type: ignore[arg-type]
         )
         ck.register("model", model)
@@ -160,6 +224,22 @@ def main() -> None:
         )
         print(f"   same, means instead of medians  : {(bg_mean / base_mean - 1) * 100:+.1f} %")
         print(f"   persist duration (steady, median): {persist_s:.2f} s")
+    if len(stores) > 1:
+        print()
+        print("side by side (steady saves, medians)       " + "".join(f"{st:>22}" for st in stores))
+        for label, _opts in variants:
+            row = []
+            for st in stores:
+                key = label if st == "local" else f"{label} [s3]"
+                stall_s, bg_steps, persist_s = results[key]
+                bg = statistics.median(bg_steps) if bg_steps else float("nan")
+                row.append(
+                    f"stall {stall_s * 1e3:6.1f} ms, persist {persist_s:6.2f} s, "
+                    f"step {(bg / base_s - 1) * 100:+5.1f} %"
+                )
+            print(f"{label:<42}" + " | ".join(row))
+    if server is not None:
+        server.close()
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -1,7 +1,7 @@
 """Command line: argparse -> config -> one call. No logic lives here.
 
-``flexrun run`` takes torchrun's options (both ``--nproc-per-node`` and
-``--nproc_per_node`` spellings) and defaults each from ``PET_<OPTION>`` as torchrun does.
+``flexrun run`` takes torchrun's options (:mod:`flexrun.run_args`: both ``--nproc-per-node``
+and ``--nproc_per_node`` spellings) and defaults each from ``PET_<OPTION>`` as torchrun does.
 A :class:`FlexrunError` becomes one line on stderr and exit code 2.
 """
 
@@ -14,147 +14,16 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from flexrun import __version__
-from flexrun.config import env_default, env_flag, process_environ, run_config_from_args
+from flexrun.config import process_environ, run_config_from_args
 from flexrun.errors import ConfigError, FlexrunError
+from flexrun.run_args import add_run_parser
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{self.prog}: {message} (see --help)")
-
-
-def _opt(
-    p: argparse.ArgumentParser,
-    env: Mapping[str, str],
-    name: str,
-    default: str | None,
-    help: str,
-    **kw: Any,
-) -> None:
-    spellings = [f"--{name}"]
-    if "-" in name:
-        spellings.append("--" + name.replace("-", "_"))
-    p.add_argument(
-        *spellings,
-        dest=name.replace("-", "_"),
-        default=env_default(env, name, default),
-        help=help,
-        **kw,
-    )
-
-
-def _flag(
-    p: argparse.ArgumentParser,
-    env: Mapping[str, str],
-    name: str,
-    help: str,
-    short: str | None = None,
-) -> None:
-    spellings = ([short] if short else []) + [f"--{name}"]
-    if "-" in name:
-        spellings.append("--" + name.replace("-", "_"))
-    p.add_argument(
-        *spellings,
-        dest=name.replace("-", "_"),
-        action="store_true",
-        default=env_flag(env, name),
-        help=help,
-    )
-
-
-def _add_run(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
-    p = sub.add_parser(
-        "run",
-        help="launch an elastic training job (torchrun-compatible flags)",
-        description="Start this node's elastic agent. Options default from PET_<OPTION> like torchrun.",
-    )
-    _opt(p, env, "nnodes", "1", "number of nodes, N or MIN:MAX")
-    _opt(p, env, "nproc-per-node", "1", "workers per node: N, auto, cpu or gpu")
-    _opt(p, env, "rdzv-backend", "c10d", "c10d/tcp (embedded store), static, etcd/etcd-v3")
-    _opt(p, env, "rdzv-endpoint", "", "store address HOST:PORT (etcd: comma-separated list)")
-    _opt(p, env, "rdzv-id", "", "job id shared by all nodes")
-    _opt(
-        p,
-        env,
-        "rdzv-conf",
-        "",
-        "k=v,...: join_timeout, last_call_timeout, heartbeat_interval, "
-        "heartbeat_timeout, connect_timeout, is_host",
-    )
-    _flag(p, env, "standalone", "single node with an embedded store on a free port")
-    _opt(p, env, "max-restarts", "0", "failures tolerated per job before giving up", type=int)
-    _opt(p, env, "monitor-interval", "0.1", "seconds between worker health checks", type=float)
-    _opt(p, env, "stop-grace", "30", "seconds between SIGTERM and SIGKILL for workers", type=float)
-    _opt(p, env, "role", "default", "worker role name (ROLE_NAME)")
-    _opt(p, env, "log-dir", None, "directory for per-rank logs (default: RUN_DIR/logs)")
-    _opt(p, env, "run-dir", None, "run directory (default: ./flexrun-runs/<rdzv-id>)")
-    _opt(
-        p,
-        env,
-        "redirects",
-        "0",
-        "streams kept out of the console (files only): 0 none, 1 out, 2 err, 3 both",
-    )
-    _opt(
-        p,
-        env,
-        "tee",
-        "0",
-        "streams also shown on the console: 0-3 (all are by default unless redirected)",
-    )
-    _opt(p, env, "local-addr", None, "address other nodes use to reach this one (MASTER_ADDR)")
-    _opt(p, env, "node-rank", "0", "static backend: which node hosts the store (0)")
-    _opt(p, env, "master-addr", "127.0.0.1", "static backend: store host")
-    _opt(p, env, "master-port", "29500", "static backend: store port")
-    _opt(p, env, "node-id", None, "unique id of this node (default host-pid-random)")
-    _opt(
-        p,
-        env,
-        "mode",
-        "auto",
-        "recovery mode: live (survivors never restart; scripts using "
-        "flexrun.train.LiveLoop), restart (torchrun semantics), auto (live if the script uses LiveLoop)",
-    )
-    _opt(
-        p,
-        env,
-        "hang-timeout",
-        "0",
-        "seconds without step progress (flexrun.train.report_progress) "
-        "before a rank's stacks are captured and it is failed; 0: off",
-    )
-    _opt(p, env, "metrics-port", None, "serve Prometheus metrics on this port (default: off)")
-    _opt(
-        p,
-        env,
-        "resource-interval",
-        "10",
-        "seconds between node resource samples in the event log (0: off)",
-    )
-    _opt(
-        p,
-        env,
-        "warm-spares",
-        None,
-        "idle interpreters with torch imported, kept to replace workers: live mode "
-        "default 1, restart mode default nproc-per-node (a restart then skips the cold start); 0: none",
-    )
-    _opt(
-        p,
-        env,
-        "spares-dir",
-        None,
-        "directory of this node's `flexrun spares`: take warm interpreters from it first "
-        "(default: off)",
-    )
-    _flag(p, env, "module", "run the entrypoint as a Python module (python -m)", short="-m")
-    _flag(p, env, "no-python", "run the entrypoint as an executable, not with python")
-    p.add_argument("training_script", help="script (or module, or executable)")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
@@ -267,7 +136,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flexrun {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_run(sub, env)
+    run = add_run_parser(sub, env, _cmd_run)
+    run.flexrun_root = parser  # type: ignore[attr-defined]  # --print-completion's program
     _add_store(sub, env)
     _add_spares(sub, env)
     import importlib

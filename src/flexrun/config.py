@@ -1,132 +1,70 @@
 """Configuration: frozen dataclasses, and the one place that reads ``os.environ``.
 
-Owns parsing and validation of what users give flexrun (flags, ``PET_*`` variables,
-``--rdzv-conf``), with precedence CLI > environment (``PET_*``) > default. Library code
-receives these objects and never reads the environment itself. It does not act on them.
+Owns what a validated ``flexrun run`` is (:class:`RunConfig` and its parts) and how it is
+built from parsed flags, ``PET_*`` variables and ``--rdzv-conf``, with precedence CLI >
+environment (``PET_*``) > default, as torchrun. Library code receives these objects and
+never reads the environment itself. It does not act on them. The value parsers live in
+:mod:`flexrun.parsing`, the ``--rdzv-conf`` keys in :mod:`flexrun.rdzv_conf`, the
+address choice in :mod:`flexrun.netaddr`, the job's shape (local, dynamic, static) in
+:mod:`flexrun.topology`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun.errors import ConfigError
+from flexrun.netaddr import is_this_host
+from flexrun.parsing import (
+    DEFAULT_STORE_PORT,
+    STREAMS,
+    env_default,
+    env_flag,
+    parse_endpoint,
+    parse_kv,
+    parse_nnodes,
+    parse_nproc,
+    signal_numbers,
+)
+
+log = logging.getLogger("flexrun.config")
 
 BACKENDS_TCP = ("c10d", "tcp", "static")
 BACKENDS_ETCD = ("etcd", "etcd-v3")
 BACKENDS = BACKENDS_TCP + BACKENDS_ETCD
-DEFAULT_STORE_PORT = 29400
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+START_METHODS = ("spawn", "fork", "forkserver")
 
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4). Raises ConfigError on anything else."""
-    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
-    if not m:
-        raise ConfigError(
-            f"--nnodes {text!r}: expected N or MIN:MAX with positive integers, e.g. 1:4"
-        )
-    lo = int(m.group(1))
-    hi = int(m.group(2)) if m.group(2) is not None else lo
-    if lo < 1:
-        raise ConfigError(f"--nnodes {text!r}: MIN must be at least 1")
-    if lo > hi:
-        raise ConfigError(
-            f"--nnodes {text!r}: MIN ({lo}) is greater than MAX ({hi}); write MIN:MAX, e.g. {hi}:{lo}"
-        )
-    return lo, hi
-
-
-def parse_nproc(text: str, *, cuda_count: int | None = None, cpu_count: int | None = None) -> int:
-    """``N``, ``auto``, ``cpu`` or ``gpu`` -> a positive worker count."""
-    value = str(text).strip().lower()
-    if value == "cpu":
-        return cpu_count or os.cpu_count() or 1
-    if value in ("gpu", "auto"):
-        if cuda_count is None:
-            cuda_count = _cuda_count()
-        if cuda_count > 0:
-            return cuda_count
-        if value == "gpu":
-            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible on this node")
-        return cpu_count or os.cpu_count() or 1
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(
-            f"--nproc-per-node {text!r}: expected a positive integer, auto, cpu or gpu"
-        )
-    return int(value)
-
-
-def _cuda_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
-def parse_endpoint(text: str, default_port: int = DEFAULT_STORE_PORT) -> list[tuple[str, int]]:
-    """``"host:port[,host2:port2]"`` -> [(host, port), ...]; IPv6 in brackets."""
-    out = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?|([^:\[\]]+)(?::(\d+))?", part)
-        if not m:
-            raise ConfigError(f"--rdzv-endpoint {text!r}: expected HOST[:PORT][,HOST[:PORT]...]")
-        host = m.group(1) or m.group(3)
-        port_s = m.group(2) or m.group(4)
-        port = int(port_s) if port_s else default_port
-        if not 0 < port < 65536:
-            raise ConfigError(f"--rdzv-endpoint {text!r}: port {port} is out of range 1-65535")
-        out.append((host, port))
-    return out
-
-
-def parse_kv(text: str, what: str = "--rdzv-conf") -> dict[str, str]:
-    """``"a=1,b=x"`` -> {"a": "1", "b": "x"}."""
-    out: dict[str, str] = {}
-    for part in str(text or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{what} {text!r}: expected key=value[,key=value...], got {part!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _conf_float(conf: Mapping[str, str], key: str, default: float) -> float:
-    if key not in conf:
-        return default
-    try:
-        value = float(conf[key])
-    except ValueError:
-        raise ConfigError(
-            f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds"
-        ) from None
-    if value < 0:
-        raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: must not be negative")
-    return value
-
-
-def _conf_bool(conf: Mapping[str, str], key: str) -> bool | None:
-    if key not in conf:
-        return None
-    value = conf[key].lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected true or false")
+__all__ = [
+    "BACKENDS",
+    "BACKENDS_ETCD",
+    "BACKENDS_TCP",
+    "DEFAULT_STORE_PORT",
+    "RendezvousSettings",
+    "RunConfig",
+    "StaticJob",
+    "StdStreams",
+    "StoreSettings",
+    "default_node_id",
+    "env_default",
+    "env_flag",
+    "is_this_host",
+    "parse_endpoint",
+    "parse_kv",
+    "parse_nnodes",
+    "parse_nproc",
+    "process_environ",
+    "resolve_mode",
+    "run_config_from_args",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,6 +113,10 @@ class StoreSettings:
     """Run the tcp store inside this agent (standalone, or the endpoint is this host)."""
     connect_timeout_s: float = 30.0
     """How long to keep trying to reach the store before exit 2."""
+    op_timeout_s: float | None = None
+    """One store operation's timeout (``--rdzv-conf read_timeout``): the tcp client's
+    ``op_timeout_s``; for etcd it is passed as ``request_timeout`` in ``conf``. None: the
+    backend's default."""
     conf: Mapping[str, str] = field(default_factory=dict)
     """Remaining --rdzv-conf options, passed to the backend (e.g. TLS for etcd)."""
 
@@ -183,6 +125,55 @@ class StoreSettings:
             raise ConfigError(
                 f"--rdzv-backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}"
             )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaticJob:
+    """A fixed-size job, torchrun's static rendezvous: ``nnodes`` nodes, each told its rank.
+
+    Formed from ``--nnodes N --node-rank R --master-addr A --master-port P`` (or their
+    ``PET_*`` forms, as Kubeflow Trainer v2 sets them) without ``--rdzv-endpoint``, or
+    from ``--rdzv-backend static``. The agent must give this node ``GROUP_RANK`` =
+    ``node_rank`` and ranks ``node_rank * nproc ...``, workers ``MASTER_ADDR`` /
+    ``MASTER_PORT`` = ``master_addr`` / ``master_port`` (the store node rank 0 hosts there,
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` as torchrun), and end the job with exit 200
+    (``exitcodes.NODE_LOST``) when a node's heartbeat stops.
+    """
+
+    nnodes: int
+    """The world's node count (torchrun: MAX of ``--nnodes``)."""
+    node_rank: int
+    """This node's rank, 0..nnodes-1 (``--node-rank``)."""
+    master_addr: str
+    """Where node rank 0 hosts the store (``--master-addr``)."""
+    master_port: int
+    """Its port (``--master-port``, default 29500)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank}: must be 0..{self.nnodes - 1} for --nnodes "
+                f"{self.nnodes}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port {self.master_port}: out of range 1-65535")
+
+    @property
+    def hosts_store(self) -> bool:
+        """Node rank 0 hosts the store at ``master_addr:master_port``."""
+        return self.node_rank == 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StdStreams:
+    """torchrun's per-local-rank stream setting (``-r``/``-t``: ``3`` or ``0:3,1:1``)."""
+
+    default: frozenset[str] = frozenset()
+    """The streams of every local rank not in ``by_rank`` (none when a map was given)."""
+    by_rank: Mapping[int, frozenset[str]] = field(default_factory=dict)
+
+    def of(self, local_rank: int) -> frozenset[str]:
+        return self.by_rank.get(local_rank, self.default)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,15 +191,74 @@ class RunConfig:
     node_id: str = ""
     """Unique id of this agent (host-pid-random by default)."""
     local_addr: str = "127.0.0.1"
-    """Address peers use to reach this node's rank-0 worker (MASTER_ADDR)."""
+    """Address peers use to reach this node's rank-0 worker (MASTER_ADDR). Default: the
+    source address of the route toward the rendezvous endpoint (or master) for a multi-host
+    job; torchrun's FQDN (when it names this machine, else 127.0.0.1) for a one-host job."""
+    socket_ifname: str | None = None
+    """The interface holding ``local_addr`` on a multi-host job: workers get it as
+    ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME=={name}``) unless the user set those
+    (``flexrun.agent.spec.worker_envs``). None: one-host job, or no interface has the address."""
     role: str = "default"
     run_dir: Path = Path("flexrun-runs/default")
     log_dir: Path | None = None
     console_streams: frozenset[str] = frozenset({"stdout", "stderr"})
-    """Which worker streams also go to the agent's console (all go to log files)."""
+    """Which worker streams also go to the agent's console (all go to log files): the value
+    for every local rank without its own setting (see :meth:`console_for`)."""
+    redirects: StdStreams = field(default_factory=StdStreams)
+    """``-r/--redirects``: streams kept off the console, per local rank."""
+    tee: StdStreams = field(default_factory=StdStreams)
+    """``-t/--tee``: streams shown on the console and written to a file, per local rank
+    (torchrun prefixes tee'd console lines with ``[<role><local_rank>]:``)."""
+    local_ranks_filter: frozenset[int] | None = None
+    """``--local-ranks-filter``: only these local ranks reach the console (None: all)."""
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    """``--duplicate-stdout-filters``: stdout lines containing any of these are also
+    appended to a filtered copy (torchrun: ``<log_dir>/filtered_stdout.log``)."""
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    """The same for stderr (``filtered_stderr.log``)."""
+    log_line_prefix_template: str | None = None
+    """``--log-line-prefix-template`` (torch 2.15), else ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``
+    (``${role_name}``, ``${rank}``, ``${local_rank}``, ``${hostname}``: the node's FQDN): the
+    prefix of tee'd console lines instead of ``[<role><local_rank>]:``."""
     monitor_interval_s: float = 0.1
     stop_grace_s: float = 30.0
-    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    """Seconds between SIGTERM and SIGKILL when stopping workers (``--stop-grace``, or
+    torchrun's ``--shutdown-timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``)."""
+    signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
+    """``--signals-to-handle``: signal names the agent catches and forwards to its workers
+    (as given: workers see them joined in ``TORCHELASTIC_SIGNALS_TO_HANDLE``; the catchable
+    ones are :attr:`signal_numbers`)."""
+    start_method: str = "spawn"
+    """``--start-method``: torchrun's multiprocessing start method. flexrun starts every
+    worker as a fresh process (``exec``), which is what torchrun does for any script,
+    module or executable (the method matters to torchrun only for ``--run-path``)."""
+    run_path: bool = False
+    """``--run-path``: torchrun runs the script with ``runpy.run_path`` in a spawned
+    interpreter; flexrun runs ``python -u SCRIPT`` (the same ``__main__``, ``__file__`` and
+    ``sys.argv``); ``module`` and ``no_python`` are then off, as torchrun."""
+    python_exec: str = sys.executable
+    """The interpreter of the workers (``PYTHON_EXEC``, else this one), as torchrun."""
+    virtual_local_rank: bool = False
+    """``--virtual-local-rank``: every worker sees ``LOCAL_RANK=0`` and
+    ``CUDA_VISIBLE_DEVICES`` = its own device (``worker_envs`` does it)."""
+    numa_binding: str | None = None
+    """``--numa-binding`` mode (node, socket, exclusive, core-complex) or None."""
+    numa_cpus: tuple[frozenset[int], ...] = ()
+    """With ``numa_binding``: the CPU set of each local rank (torch's own choice, the CPUs
+    near ``cuda:<local_rank>``); the agent binds worker i to ``numa_cpus[i]``."""
+    logs_specs: str | None = None
+    """``--logs-specs NAME``: a ``torchrun.logs_specs`` entry point (checked to load and to be
+    a LogsSpecs); the agent builds it (``flexrun.plugins.logs_specs_class``) with log_dir,
+    redirects, tee and local_ranks_filter and takes each worker's file paths from its
+    ``reify(envs)``."""
+    event_log_handler: str = "null"
+    """``--event-log-handler`` (torch's names: null, console, dynamic_rendezvous): with
+    ``console`` the agent also writes each event it logs to stderr."""
+    launcher_error_file: Path | None = None
+    """``TORCHELASTIC_ERROR_FILE`` of the launcher itself (a scheduler such as TorchX set
+    it): the agent writes the root cause there in torch's error-file format."""
+    static: StaticJob | None = None
+    """A fixed-size job (torchrun's static rendezvous); None: elastic or one-host."""
     store: StoreSettings = field(default_factory=StoreSettings)
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     environ: Mapping[str, str] = field(default_factory=dict)
@@ -224,13 +274,15 @@ class RunConfig:
     long is hung: its stacks are captured and it is treated as failed. 0: off."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (off when None)."""
+    metrics_host: str = "127.0.0.1"
+    """The address the metrics server binds (``--metrics-host``; 0.0.0.0 to be scraped)."""
     resource_interval_s: float = 10.0
     """How often node resources (CPU, memory, disk, network, GPU) go to the event log; 0: never."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
-        if self.monitor_interval_s <= 0:
+        if not self.monitor_interval_s > 0:
             raise ConfigError("--monitor-interval must be positive")
         if self.mode not in ("restart", "live"):
             raise ConfigError(f"--mode {self.mode!r}: choose live, restart or auto")
@@ -246,6 +298,17 @@ class RunConfig:
             )
         if self.stop_grace_s < 0:
             raise ConfigError("--stop-grace must not be negative")
+        if self.start_method not in START_METHODS:
+            raise ConfigError(
+                f"--start-method {self.start_method!r}: choose one of {', '.join(START_METHODS)}"
+            )
+        if self.module and self.no_python:
+            raise ConfigError(
+                "--no-python and --module cannot be used together (as in torchrun): "
+                "give one of them"
+            )
+        if self.numa_binding is not None and len(self.numa_cpus) != self.nproc_per_node:
+            raise ConfigError("--numa-binding: one CPU set per local worker is needed")
         if not self.module and not self.no_python and not Path(self.entrypoint).is_file():
             raise ConfigError(
                 f"training script {self.entrypoint!r} does not exist (or is not a file)"
@@ -257,173 +320,21 @@ class RunConfig:
         ):
             raise ConfigError(f"--no-python: executable {self.entrypoint!r} not found")
 
+    def console_for(self, local_rank: int) -> frozenset[str]:
+        """The streams of ``local_rank`` that reach the agent's console (torchrun's rules:
+        not redirected or tee'd, and the rank passes ``--local-ranks-filter``)."""
+        if self.local_ranks_filter is not None and local_rank not in self.local_ranks_filter:
+            return frozenset()
+        return (STREAMS - self.redirects.of(local_rank)) | self.tee.of(local_rank)
 
-def _streams(text: str | None, flag: str) -> frozenset[str]:
-    mapping = {
-        "0": frozenset(),
-        "1": frozenset({"stdout"}),
-        "2": frozenset({"stderr"}),
-        "3": frozenset({"stdout", "stderr"}),
-    }
-    value = (text or "0").strip()
-    if ":" in value:
-        raise ConfigError(f"{flag} {value!r}: per-rank settings are not supported; use 0-3")
-    if value not in mapping:
-        raise ConfigError(
-            f"{flag} {value!r}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"
-        )
-    return mapping[value]
+    @property
+    def signal_numbers(self) -> tuple[int, ...]:
+        """The catchable signals of :attr:`signals_to_handle`, as numbers."""
+        return signal_numbers(self.signals_to_handle)
 
 
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-_LOCAL_NAMES = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
-
-
-def is_this_host(host: str) -> bool:
-    """True if ``host`` names this machine (as torchrun decides whether to host the store)."""
-    if host in _LOCAL_NAMES:
-        return True
-    names = {socket.gethostname(), socket.getfqdn()}
-    if host in names:
-        return True
-    try:
-        mine = {ai[4][0] for n in names for ai in socket.getaddrinfo(n, None)}
-        theirs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    return bool(mine & theirs)
-
-
-def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
-    """Build and validate a RunConfig from parsed ``flexrun run`` arguments."""
-    a = {k: v for k, v in vars(ns).items() if k != "environ"}
-    conf = parse_kv(a["rdzv_conf"] or "")
-    min_nodes, max_nodes = parse_nnodes(a["nnodes"])
-    backend = str(a["rdzv_backend"]).strip().lower()
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"--rdzv-backend {a['rdzv_backend']!r} is unknown; choose one of {', '.join(BACKENDS)}"
-        )
-    standalone = bool(a["standalone"])
-    endpoint = a["rdzv_endpoint"] or ""
-    if backend == "static" and not endpoint:
-        endpoint = f"{a['master_addr']}:{a['master_port']}"
-    if standalone:
-        if max_nodes != 1 and a["nnodes"] not in ("1", "1:1"):
-            raise ConfigError(
-                f"--standalone runs one node; drop --nnodes {a['nnodes']} or --standalone"
-            )
-        min_nodes = max_nodes = 1
-        endpoints: tuple[tuple[str, int], ...] = ()
-        host_store = True
-        backend = "c10d"
-    elif not endpoint:
-        if max_nodes > 1:
-            raise ConfigError(
-                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (e.g. a `flexrun store` on a stable machine)"
-            )
-        endpoints, host_store = (), True
-    else:
-        endpoints = tuple(parse_endpoint(endpoint))
-        if backend in BACKENDS_TCP and len(endpoints) != 1:
-            raise ConfigError(
-                f"--rdzv-endpoint {endpoint!r}: the {backend} backend takes one HOST:PORT"
-            )
-        explicit = _conf_bool(conf, "is_host")
-        if backend == "static":
-            explicit = int(a["node_rank"] or 0) == 0 if explicit is None else explicit
-        host_store = backend in BACKENDS_TCP and (
-            explicit if explicit is not None else is_this_host(endpoints[0][0])
-        )
-    rdzv = RendezvousSettings(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        last_call_s=_conf_float(conf, "last_call_timeout", 1.0),
-        join_timeout_s=_conf_float(conf, "join_timeout", 600.0),
-        heartbeat_interval_s=_conf_float(conf, "heartbeat_interval", 1.0),
-        heartbeat_timeout_s=_conf_float(conf, "heartbeat_timeout", 5.0),
-        max_restarts=int(a["max_restarts"]),
-    )
-    known = {
-        "is_host",
-        "last_call_timeout",
-        "join_timeout",
-        "heartbeat_interval",
-        "heartbeat_timeout",
-        "connect_timeout",
-    }
-    store = StoreSettings(
-        backend=backend,
-        endpoints=endpoints,
-        host_store=host_store,
-        connect_timeout_s=_conf_float(conf, "connect_timeout", 30.0),
-        conf={k: v for k, v in conf.items() if k not in known},
-    )
-    run_id = a["rdzv_id"] or ("none" if standalone or not endpoints else "default")
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
-        raise ConfigError(f"--rdzv-id {run_id!r}: use letters, digits, '.', '_' or '-'")
-    if standalone and not a["rdzv_id"]:
-        run_id = f"standalone-{uuid.uuid4().hex[:8]}"
-    run_dir = Path(a["run_dir"]) if a["run_dir"] else Path("flexrun-runs") / run_id
-    nproc = parse_nproc(a["nproc_per_node"])
-    mode = resolve_mode(
-        str(a["mode"]), a["training_script"], module=bool(a["module"]) or bool(a["no_python"])
-    )
-    spares_raw = a["warm_spares"]
-    try:
-        spares = (
-            int(spares_raw) if spares_raw not in (None, "") else (1 if mode == "live" else nproc)
-        )
-    except ValueError:
-        raise ConfigError(f"--warm-spares {spares_raw!r}: expected an integer") from None
-    console = frozenset({"stdout", "stderr"}) - _streams(a["redirects"], "--redirects")
-    return RunConfig(
-        entrypoint=a["training_script"],
-        args=tuple(a["training_script_args"]),
-        module=bool(a["module"]),
-        no_python=bool(a["no_python"]),
-        nproc_per_node=nproc,
-        run_id=run_id,
-        node_id=a["node_id"] or default_node_id(),
-        local_addr=a["local_addr"] or _default_local_addr(endpoints),
-        role=a["role"],
-        run_dir=run_dir.absolute(),
-        log_dir=Path(a["log_dir"]).absolute() if a["log_dir"] else None,
-        console_streams=console | _streams(a["tee"], "--tee"),
-        monitor_interval_s=float(a["monitor_interval"]),
-        stop_grace_s=float(a["stop_grace"]),
-        store=store,
-        rendezvous=rdzv,
-        environ=dict(environ),
-        mode=mode,
-        warm_spares=spares,
-        spares_dir=Path(a["spares_dir"]).absolute() if a["spares_dir"] else None,
-        metrics_port=_port_or_none(a["metrics_port"], "--metrics-port"),
-        hang_timeout_s=float(a["hang_timeout"]),
-        resource_interval_s=float(a["resource_interval"]),
-    )
-
-
-def _default_local_addr(endpoints: tuple[tuple[str, int], ...]) -> str:
-    """Loopback for one-machine jobs; else this host's name, as torchrun does."""
-    if not endpoints or endpoints[0][0] in _LOCAL_NAMES or endpoints[0][0].startswith("127."):
-        return "127.0.0.1"
-    return socket.getfqdn()
-
-
-def _port_or_none(raw: object, flag: str) -> int | None:
-    if raw in (None, ""):
-        return None
-    try:
-        port = int(str(raw))
-    except ValueError:
-        raise ConfigError(f"{flag} {raw!r}: expected a port number") from None
-    if not 0 <= port < 65536:
-        raise ConfigError(f"{flag} {port}: out of range 0-65535")
-    return port
 
 
 LIVE_API_MARKERS = ("LiveLoop",)
@@ -445,16 +356,28 @@ def resolve_mode(mode: str, script: str, *, module: bool) -> str:
     return "live" if any(m in text for m in LIVE_API_MARKERS) else "restart"
 
 
-def env_default(environ: Mapping[str, str], option: str, default: str | None) -> str | None:
-    """torchrun's rule: option ``--foo-bar`` defaults from ``PET_FOO_BAR``."""
-    return environ.get("PET_" + option.upper().replace("-", "_"), default)
+def check_dir_arg(path: Path, flag: str) -> Path:
+    """``path`` is (or can be made) a directory: nothing on the way is a file.
 
-
-def env_flag(environ: Mapping[str, str], option: str) -> bool:
-    value = environ.get("PET_" + option.upper().replace("-", "_"), "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    Raises:
+        ConfigError: ``path`` or one of its parents exists and is not a directory.
+    """
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "names a file" if p == path else f"is below {p}, a file"
+                raise ConfigError(f"{flag} {path}: {what}; give a directory")
+            break
+    return path
 
 
 def process_environ() -> Mapping[str, str]:
     """The process environment (the only read of ``os.environ`` in the launcher)."""
     return dict(os.environ)
+
+
+def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
+    """Build and validate a RunConfig from parsed ``flexrun run`` arguments."""
+    from flexrun.run_build import build_run_config
+
+    return build_run_config(ns, environ)

@@ -56,6 +56,39 @@ class CheckpointError(FlexrunError):
     """A checkpoint could not be saved, verified or loaded."""
 
 
+class StorageFailure(CheckpointError):
+    """A checkpoint file operation failed because of the storage itself: full, over quota,
+    failing or read-only (``errno`` says which). A later save may well succeed, so the
+    Checkpointer counts these (``max_failed_saves``) instead of stopping training.
+
+    Also importable as ``flexrun.train.storage.StorageFailure``.
+    """
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.errno = code
+
+    @property
+    def reason(self) -> str:
+        """The errno's symbolic name (``ENOSPC``, ``EIO`` ...)."""
+        import errno
+
+        return errno.errorcode.get(self.errno, str(self.errno))
+
+
+class FencedError(CheckpointError):
+    """A checkpoint writer from an older round tried to write after a newer round claimed
+    the directory (a straggler), or lost a conditional write to a newer round's.
+
+    Also importable as ``flexrun.train.FencedError`` and ``flexrun.train.commit.FencedError``.
+    """
+
+
+class PreconditionFailed(CheckpointError):
+    """A conditional object write or delete lost: the object exists, or changed since it
+    was read (HTTP 412 on S3). The commit protocol turns it into FencedError or retries."""
+
+
 class SpecError(ConfigError):
     """A spec file (Kubernetes job, pipeline) is invalid; the message names the field."""
 

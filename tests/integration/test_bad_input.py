@@ -46,7 +46,8 @@ def _assert_clean_error(res: subprocess.CompletedProcess[str], *needles: str) ->
             ["--rdzv-backend", "zookeeper", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"],
             ["--rdzv-backend 'zookeeper' is unknown"],
         ),
-        (["--nnodes", "2"], ["--rdzv-endpoint"]),
+        # (`--nnodes 2` alone is torchrun's static job on 127.0.0.1:29500 now: issue 21)
+        (["--nnodes", "2", "--node-rank", "2"], ["--node-rank 2: must be 0..1"]),
         (["--rdzv-conf", "join_timeout"], ["--rdzv-conf"]),
         (["--max-restarts", "-1"], ["--max-restarts"]),
     ],
@@ -82,7 +83,9 @@ def test_an_endpoint_on_another_host_that_refuses_connections(tmp_path: Path) ->
             "--rdzv-id",
             "j",
             "--rdzv-conf",
-            "connect_timeout=2",
+            # 127.0.0.2 is loopback, so this host would host the store there (torchrun's
+            # rule): say it does not, so the refused connection is what is tested.
+            "connect_timeout=2,is_host=0",
             str(DDP_STEPS),
         ],
         tmp_path,

@@ -1,6 +1,10 @@
 """The worker environment contract (ARCHITECTURE.md, Contracts): pure data building.
 
-Owns the names and values of every variable a worker sees; spawns nothing.
+Owns the names and values of every variable a worker sees; spawns nothing. With
+``settings`` (the run's :class:`~flexrun.config.RunConfig`) it also applies what the
+configuration decided for workers: the network interface defaults of a multi-host job,
+and ``--virtual-local-rank``. (torchrun's ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is in
+``RunConfig.environ``: torchrun exports it from the launcher, so it is inherited.)
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from flexrun.config import RunConfig
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 
 # Variables the agent sets for itself that must not leak into workers unless the user set them.
@@ -26,6 +31,7 @@ def worker_envs(
     run_dir: Path,
     restart_count: int,
     max_restarts: int,
+    settings: RunConfig | None = None,
 ) -> list[dict[str, str]]:
     """One environment per local rank for round ``rnd``."""
     group_rank = rnd.group_rank(node_id)
@@ -66,5 +72,27 @@ def worker_envs(
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
+        if settings is not None:
+            apply_settings(env, settings, local_rank)
         envs.append(env)
     return envs
+
+
+def apply_settings(env: dict[str, str], settings: RunConfig, local_rank: int) -> None:
+    """What the run's configuration adds to local rank ``local_rank``'s environment ``env``."""
+    if settings.socket_ifname:
+        # gloo binds to the host name's address unless told an interface; on many hosts
+        # that is a loopback address, and a multi-host job then hangs after the rendezvous.
+        env.setdefault("GLOO_SOCKET_IFNAME", settings.socket_ifname)
+        env.setdefault("NCCL_SOCKET_IFNAME", "=" + settings.socket_ifname)
+    if settings.virtual_local_rank:
+        visible = settings.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in visible.split(",")] if visible is not None else None
+        if devices is not None and local_rank >= len(devices):
+            raise ValueError(
+                f"local rank {local_rank} has no device in CUDA_VISIBLE_DEVICES={visible}"
+            )
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = (
+            devices[local_rank] if devices is not None else str(local_rank)
+        )

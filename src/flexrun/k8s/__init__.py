@@ -1,9 +1,12 @@
-"""Kubernetes support: flexrun's job spec -> Kubeflow PyTorchJob + store manifests; checks.
+"""Kubernetes support: flexrun's job spec -> manifests (PyTorchJob or TrainJob); checks.
 
-Owns nothing itself; it re-exports the public names of ``spec`` (the job spec),
-``render`` (spec -> plain dicts -> YAML) and ``validate`` (manifests -> problems).
-``commands`` wires them to ``flexrun k8s render|validate``. PyYAML (the ``k8s`` extra)
-is imported only when a file is read or written.
+Owns nothing itself; it re-exports the public names of ``spec`` (the job spec, its parts in
+``spec_types``), ``render`` (spec -> plain dicts -> YAML; the workers of each target in
+``render``/``trainjob``, their pods in ``pods``, the store, Secrets, NetworkPolicies and
+PVC in ``objects``) and ``validate`` (manifests -> problems: ``_pytorchjob_rules``,
+``validate_trainer`` with the shipped Trainer v2.3.0 schemas of ``_trainer_schema``,
+``core_checks``). ``commands`` wires them to ``flexrun k8s render|validate``. PyYAML and
+jsonschema (the ``k8s`` extra) are imported only when a file is read or a manifest checked.
 """
 
 from __future__ import annotations

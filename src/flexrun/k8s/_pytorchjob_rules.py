@@ -7,15 +7,20 @@ types of the CRD's ``openAPIV3Schema`` (Kubeflow trainer v1.9, the last release 
 the enums the operator documents but does not enforce. It is derived, not copied: no
 descriptions, and nested Kubernetes types (affinity, volumes, probes ...) are left open
 here and checked by ``kubernetes-validate`` when it is installed (see ``validate.py``).
-The admission-webhook rules that no schema can express live in ``validate.py``.
+Also owns the Kubeflow v1 admission-webhook rules that no schema can express
+(:func:`webhook_problems`) and :func:`check_pytorchjob`, both together.
 
-``tests/unit/k8s/test_rules_drift.py`` compares every property list below with the real
+``tests/unit/k8s/test_k8s_shared_crd.py`` compares every property list below with the real
 CRD when ``../shared/schemas`` is present, so a drift shows up as a failing test.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
+
+from flexrun.k8s.problems import Problem, draft7_problems
 
 Schema = dict[str, Any]
 
@@ -265,3 +270,109 @@ MIRRORED: dict[tuple[str, ...], Schema] = {
     ("spec", "pytorchReplicaSpecs", "*", "template", "spec"): POD_SPEC,
     ("spec", "pytorchReplicaSpecs", "*", "template", "spec", "containers", "[]"): CONTAINER,
 }
+
+
+# --- the webhook rules ---------------------------------------------------------------
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_OPERATOR_ENV = re.compile(r"^(PET_[A-Z_]+|MASTER_ADDR|MASTER_PORT|WORLD_SIZE|RANK)$")
+
+
+def webhook_problems(obj: str, job: Mapping[str, Any]) -> list[Problem]:
+    """The Kubeflow v1 admission webhook's rules, which the CRD schema cannot express."""
+    out: list[Problem] = []
+
+    def bad(path: str, message: str, error: bool = True) -> None:
+        out.append(Problem(obj=obj, path=path, message=message, error=error))
+
+    meta = job.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    if not isinstance(name, str) or not _DNS1035.match(name) or len(name) > 63:
+        bad("metadata.name", f"{name!r} must be a DNS-1035 label (the operator rejects it)")
+    spec = job.get("spec")
+    if not isinstance(spec, Mapping):
+        return out
+    replicas = spec.get("pytorchReplicaSpecs")
+    if not isinstance(replicas, Mapping) or not replicas:
+        bad("spec.pytorchReplicaSpecs", "must define at least a Worker replica spec")
+        return out
+    for rtype, rspec in replicas.items():
+        base = f"spec.pytorchReplicaSpecs.{rtype}"
+        if rtype not in REPLICA_TYPES:
+            bad(base, f"replica type {rtype!r} not one of {', '.join(REPLICA_TYPES)}")
+            continue
+        if not isinstance(rspec, Mapping):
+            bad(base, "must be a replica spec")
+            continue
+        count = rspec.get("replicas")
+        if rtype == "Master" and count is not None and count != 1:
+            bad(f"{base}.replicas", f"there must be exactly 1 Master replica (got {count})")
+        if rtype == "Worker" and isinstance(count, int) and count < 1:
+            bad(f"{base}.replicas", f"Worker needs at least 1 replica (got {count})")
+        template = rspec.get("template")
+        pod = template.get("spec") if isinstance(template, Mapping) else None
+        containers = pod.get("containers") if isinstance(pod, Mapping) else None
+        if not isinstance(containers, list) or not containers:
+            bad(f"{base}.template.spec.containers", "containers definition expected")
+            continue
+        names = []
+        for i, c in enumerate(containers):
+            if not isinstance(c, Mapping):
+                continue
+            names.append(c.get("name"))
+            if not c.get("image"):
+                bad(f"{base}.template.spec.containers[{i}].image", "image is required")
+            if c.get("name") == "pytorch":
+                for j, env in enumerate(c.get("env") or []):
+                    if isinstance(env, Mapping) and _OPERATOR_ENV.match(str(env.get("name"))):
+                        bad(
+                            f"{base}.template.spec.containers[{i}].env[{j}]",
+                            f"{env.get('name')} is injected by the operator; set the job field instead",
+                            error=False,
+                        )
+        if "pytorch" not in names:
+            bad(
+                f"{base}.template.spec.containers",
+                f"no container named 'pytorch' (found {', '.join(map(str, names))})",
+            )
+    elastic = spec.get("elasticPolicy")
+    if isinstance(elastic, Mapping):
+        if "Worker" not in replicas:
+            bad("spec.elasticPolicy", "requires a Worker replica spec")
+        lo, hi = elastic.get("minReplicas"), elastic.get("maxReplicas")
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            bad("spec.elasticPolicy", f"minReplicas {lo} > maxReplicas {hi}")
+        if isinstance(lo, int) and lo < 1:
+            bad("spec.elasticPolicy.minReplicas", f"must be >= 1 (got {lo})")
+        if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
+            bad(
+                "spec.elasticPolicy.nProcPerNode",
+                "deprecated; cannot be set together with spec.nprocPerNode (use only the latter)",
+            )
+        worker = replicas.get("Worker")
+        count = worker.get("replicas") if isinstance(worker, Mapping) else None
+        if (
+            isinstance(count, int)
+            and isinstance(lo, int)
+            and isinstance(hi, int)
+            and lo <= hi
+            and not lo <= count <= hi
+        ):
+            bad(
+                "spec.pytorchReplicaSpecs.Worker.replicas",
+                f"{count} outside elasticPolicy {lo}..{hi}",
+            )
+        policy = worker.get("restartPolicy") if isinstance(worker, Mapping) else None
+        if policy in ("Never", "OnFailure", None):
+            bad(
+                "spec.pytorchReplicaSpecs.Worker.restartPolicy",
+                f"{policy or 'unset'}: a preempted pod (exit 143) is not retried while a "
+                "script bug may be; ExitCode retries only 128-255",
+                error=False,
+            )
+    return out
+
+
+def check_pytorchjob(obj: str, job: Mapping[str, Any]) -> list[Problem]:
+    """Derived CRD schema + webhook rules for one ``PyTorchJob``."""
+    return draft7_problems(obj, PYTORCHJOB, job) + webhook_problems(obj, job)

@@ -75,7 +75,7 @@ class AgentMetrics:
         self,
         port: int | None = None,
         *,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         clock: Clock = SYSTEM_CLOCK,
         run_id: str = "",
         node: str = "",
@@ -419,7 +419,7 @@ def serve_run_metrics(
     *,
     node: str | None = None,
     run_id: str = "",
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     resources: bool = True,
 ) -> tuple[AgentMetrics, EventFollower]:
     """The whole agent hook in one call: metrics on ``port`` fed from ``run_dir``'s events.

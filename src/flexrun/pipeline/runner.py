@@ -1,14 +1,15 @@
 """The local pipeline runner: dependency order, cache, resume, clean stops.
 
-Owns one run of a :class:`~flexrun.pipeline.spec.Pipeline` in a run directory: which
-stages are skipped (same cache key, outputs present), which run (in parallel when
-independent, each in its own session), streaming their output with a ``[stage]`` prefix
-to the console and to ``logs/<stage>.log``, retries, per-attempt timeouts, and stopping
-every stage's whole process tree on a stop request or on the way out. State goes to the
-state file (``state``) after every change, so a runner killed with SIGKILL loses nothing
-but the stage in flight; the next run stops what that runner left behind and resumes at
-the first incomplete stage. The train stage runs ``flexrun run --standalone``; its
-checkpoint directory survives a resume and is wiped when the stage's key changes.
+Owns one run of a :class:`~flexrun.pipeline.spec.Pipeline` in a run directory: the checks
+before anything runs (every written path strictly below the run directory, every
+external input present), which stages are skipped (same cache key, outputs present),
+which run (in parallel when independent), retries and the state after every change (the
+state file, ``state``), so a runner killed with SIGKILL loses nothing but the stage in
+flight; the next run stops what that runner left behind and resumes at the first
+incomplete stage. Each attempt runs as a process session (``attempt``: console and log
+streaming, timeouts, stopping the whole tree). The train stage runs ``flexrun run
+--standalone``; its checkpoint directory survives a resume and is removed (through
+``paths.remove_below``, never outside the run directory) when the stage's key changes.
 
 Exit status of :meth:`Runner.run`: 0 all stages succeeded; 1 a stage failed; 128+N when
 stopped by signal N.
@@ -18,24 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import queue
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TextIO
-
-import psutil
+from typing import TextIO
 
 from flexrun.errors import ConfigError, SpecError
 from flexrun.pipeline import _proc
+from flexrun.pipeline.attempt import Attempts, Console
+from flexrun.pipeline.paths import remove_below, resolve_below
 from flexrun.pipeline.spec import Pipeline, Stage, substitute
-from flexrun.pipeline.state import StateFile, hash_path, stage_key
+from flexrun.pipeline.state import StateFile, hash_path, stage_key, summarize
 
 LOCK_FILE = ".pipeline.lock"
 
@@ -90,6 +90,60 @@ def stage_argv(
     ]
 
 
+def check_paths(pipeline: Pipeline, run_dir: Path, values: Mapping[str, str]) -> None:
+    """Every path the runner writes or removes resolves strictly below the run directory.
+
+    Raises:
+        SpecError: an output, checkpoint directory or relative input escapes it.
+    """
+    src = pipeline.source
+    for stage in pipeline.stages:
+        where = f"{src}: stages.{stage.name}"
+        for i, out in enumerate(stage.outputs):
+            resolve_below(run_dir, out, f"{where}.outputs[{i}]")
+        for i, raw in enumerate(stage.inputs):
+            path = substitute(raw, values, f"stages.{stage.name}.inputs[{i}]")
+            if not Path(path).is_absolute():
+                resolve_below(run_dir, path, f"{where}.inputs[{i}]")
+        if stage.train is not None and stage.train.checkpoint_dir is not None:
+            resolve_below(run_dir, stage.train.checkpoint_dir, f"{where}.train.checkpointDir")
+
+
+def check_external_inputs(pipeline: Pipeline, run_dir: Path, values: Mapping[str, str]) -> None:
+    """Raises SpecError naming an input that neither exists nor is produced by a stage."""
+    produced = {Path(o) for s in pipeline.stages for o in s.outputs}
+    for stage in pipeline.stages:
+        for i, raw in enumerate(stage.inputs):
+            path = Path(substitute(raw, values, f"stages.{stage.name}.inputs[{i}]"))
+            if any(p in produced for p in (path, *path.parents)):
+                continue
+            full = path if path.is_absolute() else run_dir / path
+            if not full.exists():
+                raise SpecError(
+                    f"{pipeline.source}: stages.{stage.name}.inputs[{i}]: {raw!r} "
+                    f"({full}) does not exist and no stage produces it"
+                )
+
+
+def reap_leftovers(
+    pipeline: Pipeline, state: StateFile, grace_s: float, say: Callable[[str], None]
+) -> None:
+    """Stop what a killed runner left running (same pid and start time) and mark it."""
+    for stage in pipeline.stages:
+        rec = state.stage(stage.name)
+        if rec.get("status") != "running":
+            continue
+        pid, created = rec.get("pid"), rec.get("pid_created")
+        if (
+            isinstance(pid, int)
+            and isinstance(created, int | float)
+            and _proc.stop_leftover(pid, float(created), grace_s)
+        ):
+            say(f"{stage.name}: stopped process {pid} left by a killed runner")
+        with state.edit(stage.name) as r:
+            r.update(status="interrupted", message="the runner was killed", pid=None)
+
+
 class Runner:
     """Runs a pipeline once in a run directory. Not reusable."""
 
@@ -112,13 +166,11 @@ class Runner:
         self.options = options
         self.run_dir = options.run_dir.resolve()
         self._environ = dict(environ)
-        self._out = out or sys.stdout
-        self._print_lock = threading.Lock()
+        self._console = Console(out)
         self._stop = threading.Event()
         self._stop_signal = 0
         self._events: queue.Queue[tuple[str, str]] = queue.Queue()
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._procs_lock = threading.Lock()
+        self._attempts = Attempts(self.run_dir, self._console, self._stop, options.stop_grace_s)
         self._values = {
             "python": options.python,
             "pipeline_dir": str(pipeline.pipeline_dir),
@@ -159,15 +211,16 @@ class Runner:
                 ) from exc
             return self._run_locked()
         finally:
-            self._stop_all()
+            self._attempts.stop_all()
             lock.close()
 
     # -- the loop -------------------------------------------------------------------
 
     def _run_locked(self) -> int:
         self.state = state = StateFile.load(self.run_dir)
-        self._check_external_inputs()
-        self._reap_leftovers(state)
+        check_paths(self.pipeline, self.run_dir, self._values)
+        check_external_inputs(self.pipeline, self.run_dir, self._values)
+        reap_leftovers(self.pipeline, state, self.options.stop_grace_s, self._say)
         state.set_meta(
             pipeline=self.pipeline.name,
             spec=self.pipeline.source,
@@ -227,35 +280,6 @@ class Runner:
         state.set_meta(run_finished=time.time(), run_status=status)
         self._say(f"pipeline {self.pipeline.name}: {status}")
         return code
-
-    def _check_external_inputs(self) -> None:
-        produced = {Path(o) for s in self.pipeline.stages for o in s.outputs}
-        for stage in self.pipeline.stages:
-            for i, raw in enumerate(stage.inputs):
-                path = Path(substitute(raw, self._values, f"stages.{stage.name}.inputs[{i}]"))
-                if any(p in produced for p in (path, *path.parents)):
-                    continue
-                full = path if path.is_absolute() else self.run_dir / path
-                if not full.exists():
-                    raise SpecError(
-                        f"{self.pipeline.source}: stages.{stage.name}.inputs[{i}]: {raw!r} "
-                        f"({full}) does not exist and no stage produces it"
-                    )
-
-    def _reap_leftovers(self, state: StateFile) -> None:
-        for stage in self.pipeline.stages:
-            rec = state.stage(stage.name)
-            if rec.get("status") != "running":
-                continue
-            pid, created = rec.get("pid"), rec.get("pid_created")
-            if (
-                isinstance(pid, int)
-                and isinstance(created, int | float)
-                and _proc.stop_leftover(pid, float(created), self.options.stop_grace_s)
-            ):
-                self._say(f"{stage.name}: stopped process {pid} left by a killed runner")
-            with state.edit(stage.name) as r:
-                r.update(status="interrupted", message="the runner was killed", pid=None)
 
     def _block(self, stage: Stage) -> None:
         assert self.state is not None
@@ -332,12 +356,16 @@ class Runner:
         env["FLEXRUN_PIPELINE_RUN_DIR"] = str(self.run_dir)
         prev = state.stage(stage.name)
         if stage.train is not None and stage.train.checkpoint_dir is not None:
-            ckpt = self.run_dir / stage.train.checkpoint_dir
-            if prev.get("checkpoint_key") not in (None, key) and ckpt.exists():
+            rel = stage.train.checkpoint_dir
+            ckpt = self.run_dir / rel
+            if prev.get("checkpoint_key") not in (None, key) and (
+                ckpt.exists() or ckpt.is_symlink()
+            ):
                 self._say(
                     f"{stage.name}: inputs or command changed; removing stale checkpoints {ckpt}"
                 )
-                shutil.rmtree(ckpt, ignore_errors=True)
+                # Checked again here, not only before the run: a symlink planted since.
+                remove_below(self.run_dir, rel, f"stages.{stage.name}.train.checkpointDir")
         started = time.time()
         with state.edit(stage.name) as r:
             r.update(
@@ -363,7 +391,14 @@ class Runner:
                 status, message = "interrupted", "stopped before it started"
                 break
             self._say(f"{stage.name}: attempt {attempt}/{attempts}: {' '.join(argv)}")
-            code, how = self._attempt(stage, argv, env, attempt)
+            code, how = self._attempts.run(
+                stage.name,
+                argv,
+                env,
+                attempt=attempt,
+                timeout_s=stage.timeout_s,
+                on_start=functools.partial(self._started, stage, attempt=attempt),
+            )
             if how == "interrupted":
                 status, message = "interrupted", f"stopped by signal (exit {code})"
                 break
@@ -394,99 +429,22 @@ class Runner:
         self._say(f"{stage.name}: {verb[status]} in {finished - started:.1f}s{tail}")
         return status
 
-    def _attempt(
-        self, stage: Stage, argv: list[str], env: Mapping[str, str], attempt: int
-    ) -> tuple[int, str]:
-        """Run one attempt; returns (exit code, 'exited' | 'timeout' | 'interrupted')."""
+    def _started(self, stage: Stage, pid: int, created: float, *, attempt: int) -> None:
         assert self.state is not None
-        log_path = self.run_dir / "logs" / f"{stage.name}.log"
-        with log_path.open("ab") as log:
-            log.write(f"=== attempt {attempt} at {time.ctime()}: {' '.join(argv)}\n".encode())
-            log.flush()
-            try:
-                proc = _proc.start(argv, cwd=self.run_dir, env=env)
-            except OSError as exc:
-                log.write(f"cannot start: {exc}\n".encode())
-                self._say(f"{stage.name}: cannot start {argv[0]!r}: {exc.strerror}")
-                return 127, "exited"
-            with self._procs_lock:
-                self._procs[stage.name] = proc
-            try:
-                created = psutil.Process(proc.pid).create_time()
-            except psutil.Error:
-                created = time.time()
-            with self.state.edit(stage.name) as r:
-                r.update(pid=proc.pid, pid_created=created, attempts=attempt)
-            reader = threading.Thread(
-                target=self._pump, args=(stage.name, proc.stdout, log), daemon=True
-            )
-            reader.start()
-            how = "exited"
-            deadline = time.monotonic() + stage.timeout_s
-            while True:
-                try:
-                    rc = proc.wait(timeout=0.1)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if self._stop.is_set():
-                    how = "interrupted"
-                    rc = _proc.stop_tree(proc, self.options.stop_grace_s)
-                    break
-                if time.monotonic() >= deadline:
-                    how = "timeout"
-                    rc = _proc.stop_tree(proc, self.options.stop_grace_s)
-                    break
-            reader.join(timeout=5)
-            if reader.is_alive():  # a background child still holds the pipe: end the session
-                _proc.stop_tree(proc, 1.0, signal.SIGKILL)
-                reader.join(timeout=5)
-            with self._procs_lock:
-                self._procs.pop(stage.name, None)
-        code = 128 - rc if rc < 0 else rc
-        return code, how
-
-    def _pump(self, name: str, stream: IO[bytes] | None, log: IO[bytes]) -> None:
-        if stream is None:
-            return
-        with stream:
-            for raw in iter(stream.readline, b""):
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\n")
-                with self._print_lock:
-                    print(f"[{name}] {line}", file=self._out, flush=True)
+        with self.state.edit(stage.name) as r:
+            r.update(pid=pid, pid_created=created, attempts=attempt)
 
     def _say(self, message: str) -> None:
-        with self._print_lock:
-            print(f"[pipeline] {message}", file=self._out, flush=True)
-
-    def _stop_all(self) -> None:
-        with self._procs_lock:
-            procs = list(self._procs.values())
-        for proc in procs:
-            if proc.poll() is None:
-                _proc.stop_tree(proc, self.options.stop_grace_s)
+        self._console.say(message)
 
 
-def summarize(state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Rows for ``flexrun pipeline status``: stage, status, duration, attempts, message."""
-    stages = state.get("stages", {})
-    order = [n for n in state.get("order", []) if n in stages]
-    order += [n for n in stages if n not in order]
-    rows = []
-    for name in order:
-        rec = stages[name]
-        status = rec.get("status", "pending")
-        if status == "succeeded" and rec.get("cached"):
-            status = "succeeded (cached)"
-        rows.append(
-            {
-                "stage": name,
-                "status": status,
-                "duration_s": rec.get("duration_s"),
-                "attempts": rec.get("attempts", 0),
-                "message": rec.get("message") or "",
-            }
-        )
-    return rows
+__all__ = [
+    "LOCK_FILE",
+    "RunOptions",
+    "Runner",
+    "check_external_inputs",
+    "check_paths",
+    "reap_leftovers",
+    "stage_argv",
+    "summarize",
+]

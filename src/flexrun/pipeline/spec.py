@@ -37,9 +37,14 @@ The file format::
         timeout: 1800                  # seconds, per attempt
         env: {OMP_NUM_THREADS: "1"}
 
-Paths in ``inputs``/``outputs`` are relative to the run directory (where stages run).
+Paths in ``outputs`` and ``checkpointDir`` (what the runner writes, and may remove) are
+relative to the run directory and must stay strictly below it: absolute paths, ``..``,
+``.`` are refused here (``paths.check_relative``), and symlinks out of it before a run
+(``paths.resolve_below``). Relative ``inputs`` must stay below it too; an absolute input
+(or one under ``{pipeline_dir}``) names outside data, which is only ever read.
 Placeholders: ``{python}`` (this interpreter locally, ``python`` in a container),
-``{pipeline_dir}`` and ``{run_dir}``.
+``{pipeline_dir}`` and ``{run_dir}``. Parsing goes through the shared reader
+(:mod:`flexrun._spec`), as the k8s job spec's does.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flexrun._spec import SpecReader, load_yaml
 from flexrun.errors import SpecError
+from flexrun.pipeline.paths import check_relative
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -185,84 +192,11 @@ def substitute(text: str, values: Mapping[str, str], where: str) -> str:
 # -- parsing --------------------------------------------------------------------------
 
 
-class _Reader:
-    """A mapping at a dotted path; typed getters failing with the field's path."""
-
-    def __init__(self, data: object, path: str) -> None:
-        if not isinstance(data, Mapping):
-            raise _fail(path or "pipeline", f"must be a mapping (got {type(data).__name__})")
-        self.data = data
-        self.path = path
-        self._used: set[str] = set()
-
-    def at(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def raw(self, key: str) -> Any:
-        self._used.add(key)
-        return self.data.get(key)
-
-    def str_(self, key: str, default: str | None = None) -> str | None:
-        value = self.raw(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, str | int | float) or value == "":
-            raise _fail(self.at(key), f"must be a non-empty string (got {value!r})")
-        return str(value)
-
-    def int_(self, key: str, default: int) -> int:
-        value = self.raw(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(self.at(key), f"must be an integer (got {value!r})")
-        return value
-
-    def num(self, key: str, default: float) -> float:
-        value = self.raw(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _fail(self.at(key), f"must be a number of seconds (got {value!r})")
-        return float(value)
-
-    def str_list(self, key: str) -> tuple[str, ...]:
-        value = self.raw(key)
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            raise _fail(self.at(key), f"must be a list (got {type(value).__name__})")
-        for i, v in enumerate(value):
-            if isinstance(v, bool) or not isinstance(v, str | int | float) or v == "":
-                raise _fail(f"{self.at(key)}[{i}]", f"must be a non-empty string (got {v!r})")
-        return tuple(str(v) for v in value)
-
-    def env(self, key: str) -> tuple[tuple[str, str], ...]:
-        value = self.raw(key)
-        if value is None:
-            return ()
-        if not isinstance(value, Mapping):
-            raise _fail(self.at(key), f"must be a mapping (got {type(value).__name__})")
-        out = []
-        for k, v in value.items():
-            if not isinstance(k, str) or not _ENV_NAME.match(k):
-                raise _fail(f"{self.at(key)}.{k}", "is not a valid environment variable name")
-            if isinstance(v, bool) or not isinstance(v, str | int | float):
-                raise _fail(f"{self.at(key)}.{k}", f"must be a string (got {v!r})")
-            out.append((k, str(v)))
-        return tuple(out)
-
-    def sub(self, key: str) -> _Reader | None:
-        value = self.raw(key)
-        return None if value is None else _Reader(value, self.at(key))
-
-    def done(self) -> None:
-        unknown = sorted(str(k) for k in self.data if k not in self._used)
-        if unknown:
-            raise _fail(self.at(unknown[0]), "unknown field")
+def _env(r: SpecReader, key: str) -> tuple[tuple[str, str], ...]:
+    return r.str_map(key, key_pattern=_ENV_NAME, what="environment variable name")
 
 
-def _parse_command(r: _Reader, key: str) -> tuple[str, ...] | None:
+def _parse_command(r: SpecReader, key: str) -> tuple[str, ...] | None:
     value = r.raw(key)
     if value is None:
         return None
@@ -274,42 +208,36 @@ def _parse_command(r: _Reader, key: str) -> tuple[str, ...] | None:
     return r.str_list(key)
 
 
-def _parse_train(r: _Reader) -> TrainSpec:
-    script = r.str_("script")
+def _parse_train(r: SpecReader) -> TrainSpec:
+    script = r.scalar("script")
     if script is None:
         raise _fail(r.at("script"), "is required")
     k8s = r.raw("k8s")
     if k8s is not None and not isinstance(k8s, Mapping):
         raise _fail(r.at("k8s"), f"must be a mapping (got {type(k8s).__name__})")
-    nnodes = r.str_("nnodes", "1") or "1"
+    nnodes = r.scalar("nnodes", "1")
     if not re.match(r"^\d+(:\d+)?$", nnodes):
         raise _fail(r.at("nnodes"), f"must be N or MIN:MAX (got {nnodes!r})")
     spec = TrainSpec(
         script=script,
         args=r.str_list("args"),
-        nproc_per_node=r.str_("nprocPerNode", "1") or "1",
+        nproc_per_node=r.scalar("nprocPerNode", "1"),
         nnodes=nnodes,
         max_restarts=r.int_("maxRestarts", 3),
-        checkpoint_dir=r.str_("checkpointDir"),
+        checkpoint_dir=r.scalar("checkpointDir"),
         k8s=dict(k8s or {}),
     )
     r.done()
     if spec.max_restarts < 0:
         raise _fail(r.at("maxRestarts"), f"must be >= 0 (got {spec.max_restarts})")
     if spec.checkpoint_dir is not None:
-        _check_rel(spec.checkpoint_dir, r.at("checkpointDir"))
+        check_relative(spec.checkpoint_dir, r.at("checkpointDir"))
     return spec
 
 
-def _check_rel(path: str, where: str) -> None:
-    p = Path(path)
-    if not p.is_absolute() and ".." in p.parts:
-        raise _fail(where, f"{path!r} must stay inside the run directory (no '..')")
-
-
 def _parse_stage(value: object, index: int) -> Stage:
-    r = _Reader(value, f"stages[{index}]")
-    name = r.str_("name")
+    r = SpecReader(value, f"stages[{index}]")
+    name = r.scalar("name")
     if name is None:
         raise _fail(r.at("name"), "is required")
     if not _NAME.match(name):
@@ -328,14 +256,21 @@ def _parse_stage(value: object, index: int) -> Stage:
         deps=r.str_list("deps"),
         retries=r.int_("retries", 0),
         timeout_s=r.num("timeout", DEFAULT_TIMEOUT_S),
-        env=r.env("env"),
+        env=_env(r, "env"),
     )
     r.done()
     _check_placeholders(stage)
     for i, out in enumerate(stage.outputs):
-        _check_rel(out, f"stages.{name}.outputs[{i}]")
         if "{" in out:
             raise _fail(f"stages.{name}.outputs[{i}]", "outputs are run-dir paths, no placeholders")
+        check_relative(out, f"stages.{name}.outputs[{i}]")
+    for i, inp in enumerate(stage.inputs):
+        if not inp.startswith("{") and not Path(inp).is_absolute() and ".." in Path(inp).parts:
+            raise _fail(
+                f"stages.{name}.inputs[{i}]",
+                f"{inp!r} must stay inside the run directory (no '..'); name data outside "
+                "it by an absolute path (inputs are only read)",
+            )
     return stage
 
 
@@ -355,24 +290,24 @@ def _check_placeholders(stage: Stage) -> None:
             substitute(v, dummy, f"{where}.{name}")
 
 
-def _parse_argo(r: _Reader | None) -> ArgoSpec:
+def _parse_argo(r: SpecReader | None) -> ArgoSpec:
     if r is None:
         return ArgoSpec()
     artifacts = r.sub("artifacts")
     claim, mount = None, "/work"
     if artifacts is not None:
-        claim = artifacts.str_("claimName")
-        mount = artifacts.str_("mountPath", "/work") or "/work"
+        claim = artifacts.scalar("claimName")
+        mount = artifacts.scalar("mountPath", "/work")
         artifacts.done()
         if not mount.startswith("/"):
             raise _fail(artifacts.at("mountPath"), f"must be absolute (got {mount!r})")
     spec = ArgoSpec(
-        image=r.str_("image"),
-        pipeline_dir=r.str_("pipelineDir", "/app") or "/app",
+        image=r.scalar("image"),
+        pipeline_dir=r.scalar("pipelineDir", "/app"),
         claim_name=claim,
         mount_path=mount,
-        namespace=r.str_("namespace"),
-        service_account=r.str_("serviceAccountName"),
+        namespace=r.scalar("namespace"),
+        service_account=r.scalar("serviceAccountName"),
     )
     r.done()
     return spec
@@ -418,8 +353,8 @@ def parse_pipeline(data: object, *, base_dir: Path, source: str = "<pipeline>") 
         SpecError: a missing, mistyped or unknown field, an unknown dependency, a cycle,
             an output produced twice, or an input produced by a stage that is not upstream.
     """
-    top = _Reader(data, "")
-    name = top.str_("name")
+    top = SpecReader(data, "", name="pipeline")
+    name = top.scalar("name")
     if name is None:
         raise _fail("name", "is required")
     if not _NAME.match(name) or len(name) > _MAX_NAME_LEN:
@@ -428,9 +363,9 @@ def parse_pipeline(data: object, *, base_dir: Path, source: str = "<pipeline>") 
             f"{name!r} must be a DNS-1035 label (lowercase letters, digits, '-', starting "
             f"with a letter) of at most {_MAX_NAME_LEN} characters",
         )
-    pdir = Path(top.str_("pipelineDir", ".") or ".")
+    pdir = Path(top.scalar("pipelineDir", "."))
     pipeline_dir = (pdir if pdir.is_absolute() else base_dir / pdir).resolve()
-    env = top.env("env")
+    env = _env(top, "env")
     argo = _parse_argo(top.sub("argo"))
     raw_stages = top.raw("stages")
     top.done()
@@ -512,17 +447,8 @@ def load_pipeline(path: str | Path) -> Pipeline:
     Raises:
         SpecError: unreadable, not YAML, or invalid (the message names the file and field).
     """
-    import yaml
-
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read pipeline spec ({exc.strerror})") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML ({exc})".replace("\n", " ")) from exc
+    data = load_yaml(p, "pipeline spec")
     try:
         return parse_pipeline(data, base_dir=p.resolve().parent, source=str(path))
     except SpecError as exc:

@@ -2,7 +2,9 @@
 
 Owns ``<run dir>/pipeline-state.json`` (schema-versioned JSON, rewritten atomically:
 temporary file, fsync, rename) and the content hash of files and directories. It does not
-decide what to run (``runner``).
+decide what to run (``runner``); :func:`summarize` turns it into the rows ``flexrun
+pipeline status`` prints. A state file that is binary, not UTF-8, not JSON or not an
+object of this shape is one clear error (delete it to start over), never a traceback.
 
 Per stage: ``status`` (pending, running, succeeded, failed, interrupted, blocked),
 ``key`` (hash of command, environment, input contents and upstream keys: equal key and
@@ -75,6 +77,41 @@ def stage_key(
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _not_state(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"{path}: not a pipeline state file ({why}); delete it to start over")
+
+
+def _parse(raw: bytes, path: Path) -> dict[str, Any]:
+    """The state file's JSON, checked for the shape the runner relies on."""
+    if b"\0" in raw:
+        raise _not_state(path, "a binary file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_state(path, f"not UTF-8 text at byte {exc.start}") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
+        raise _not_state(path, str(exc)) from exc
+    except RecursionError as exc:
+        raise _not_state(path, "JSON nested too deeply") from exc
+    if not isinstance(data, dict):
+        raise _not_state(path, f"a JSON {type(data).__name__}, not an object")
+    stages = data.get("stages")
+    if not isinstance(stages, dict) or not all(isinstance(r, dict) for r in stages.values()):
+        raise _not_state(path, "'stages' must map stage names to objects")
+    order = data.get("order")
+    if order is not None and (
+        not isinstance(order, list) or not all(isinstance(n, str) for n in order)
+    ):
+        raise _not_state(path, "'order' must be a list of stage names")
+    if data.get("version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"{path}: state format {data.get('version')!r}, expected {FORMAT_VERSION}"
+        )
+    return data
+
+
 class StateFile:
     """The run directory's state, shared by the runner's threads (one lock)."""
 
@@ -88,28 +125,17 @@ class StateFile:
         """Read the state (an empty one when the file does not exist).
 
         Raises:
-            ConfigError: the file exists but is unreadable or not a state file.
+            ConfigError: the file exists but is unreadable or not a state file (binary,
+                not UTF-8, not JSON, not an object of the expected shape).
         """
         state = cls(run_dir)
         try:
-            text = state.path.read_text(encoding="utf-8")
+            raw = state.path.read_bytes()
         except FileNotFoundError:
             return state
         except OSError as exc:
             raise ConfigError(f"{state.path}: cannot read ({exc.strerror})") from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{state.path}: not a pipeline state file ({exc}); delete it to start over"
-            ) from exc
-        if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
-            raise ConfigError(f"{state.path}: not a pipeline state file; delete it to start over")
-        if data.get("version") != FORMAT_VERSION:
-            raise ConfigError(
-                f"{state.path}: state format {data.get('version')!r}, expected {FORMAT_VERSION}"
-            )
-        state.data = data
+        state.data = _parse(raw, state.path)
         return state
 
     def stage(self, name: str) -> dict[str, Any]:
@@ -141,3 +167,32 @@ class StateFile:
             os.replace(tmp, self.path)
         except OSError as exc:
             raise ConfigError(f"{self.path}: cannot write state ({exc.strerror})") from exc
+
+
+def summarize(state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Rows for ``flexrun pipeline status``: stage, status, duration, attempts, message."""
+    stages = state.get("stages", {})
+    raw_order = state.get("order")
+    order = (
+        [n for n in raw_order if isinstance(n, str) and n in stages]
+        if isinstance(raw_order, list)
+        else []
+    )
+    order += [n for n in stages if n not in order]
+    rows = []
+    for name in order:
+        rec = stages[name]
+        status = str(rec.get("status", "pending"))
+        if status == "succeeded" and rec.get("cached"):
+            status = "succeeded (cached)"
+        attempts = rec.get("attempts", 0)
+        rows.append(
+            {
+                "stage": str(name),
+                "status": status,
+                "duration_s": rec.get("duration_s"),
+                "attempts": attempts if isinstance(attempts, int) else 0,
+                "message": str(rec.get("message") or ""),
+            }
+        )
+    return rows

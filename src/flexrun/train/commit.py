@@ -1,11 +1,13 @@
-"""The checkpoint commit protocol and the on-disk layout, independent of what is saved.
+"""The POSIX checkpoint commit protocol (local and shared filesystems), independent of what is saved.
 
-Owns: the layout (``<root>/step_<N>/`` with data files and ``manifest.json``, the
-``latest`` pointer, the ``fence.json`` round record, ``.tmp-*`` staging directories),
-writing a checkpoint so that a crash at any instant leaves either the old or the new one,
-verifying a checkpoint against its manifest, the round fence, and retention. It does not
-serialize tensors (``flexrun.train.checkpoint`` passes writer callables) and never
-decides when to save.
+Owns, for storage with an atomic rename: writing a checkpoint so that a crash at any
+instant leaves either the old or the new one (``.tmp-*`` staging directories renamed into
+``<root>/step_<N>/``, ``latest`` moved by rename), the round fence on such storage, and
+the removal of what crashed writers left. :class:`RenameCommit` is this protocol behind
+:class:`flexrun.train.layout.CommitProtocol`; object stores (no rename) use
+``flexrun.train.commit_object`` instead. The names, the manifest, verification and
+retention are shared (``flexrun.train.layout``). It does not serialize tensors
+(``flexrun.train.checkpoint`` passes writer callables) and never decides when to save.
 
 Commit steps, in order (each is a fault-injection point named in ``COMMIT_STAGES``):
 stage files in ``.tmp-step_<N>-r<round>-<id>/`` (each file fsynced, then the directory),
@@ -29,25 +31,61 @@ writer, so writes never interleave.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
+import os
 import re
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import flexrun
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.errors import CheckpointError
+from flexrun.errors import CheckpointError, FencedError
+from flexrun.train.layout import (
+    FENCE,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    STEP_RE,
+    FaultHook,
+    FenceRecord,
+    Manifest,
+    Staged,
+    Writer,
+    claim_decision,
+    fenced_message,
+    parse_fence,
+    parse_latest,
+    select_retained,
+    step_dir_name,
+    verify,
+)
 from flexrun.train.storage import Storage
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-LATEST = "latest"
-FENCE = "fence.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+__all__ = [
+    "COMMIT_STAGES",
+    "FENCE",
+    "FORMAT_VERSION",
+    "LATEST",
+    "MANIFEST",
+    "FaultHook",
+    "FencedError",
+    "Manifest",
+    "RenameCommit",
+    "check_fence",
+    "claim_fence",
+    "commit_checkpoint",
+    "finalize_staged",
+    "list_steps",
+    "read_fence",
+    "read_latest",
+    "remove_stale_staging",
+    "select_retained",
+    "staging_dir",
+    "step_dir_name",
+    "verify_checkpoint",
+]
+
+_STEP_RE = STEP_RE
 _TMP_RE = re.compile(r"^\.(?:tmp|trash|latest|fence)-(?:.*-)?r(\d+)-[0-9a-f]+$")
 
 COMMIT_STAGES = (
@@ -62,82 +100,6 @@ COMMIT_STAGES = (
 )
 """Points between commit steps where a fault hook is called (tests kill the process there)."""
 
-FaultHook = Callable[[str], None]
-
-
-class FencedError(CheckpointError):
-    """A writer from an older round tried to write after a newer round claimed the directory."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Manifest:
-    """What ``manifest.json`` records about one checkpoint."""
-
-    step: int
-    round: int
-    world_size: int
-    created: float
-    files: dict[str, dict[str, Any]]
-    """name -> {"size": bytes, "sha256": hex digest}"""
-    meta: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-    flexrun_version: str = flexrun.__version__
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(int(f["size"]) for f in self.files.values())
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format_version": self.format_version,
-                "step": self.step,
-                "round": self.round,
-                "world_size": self.world_size,
-                "created": self.created,
-                "flexrun_version": self.flexrun_version,
-                "files": self.files,
-                "meta": self.meta,
-            },
-            indent=1,
-            sort_keys=True,
-        ).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Manifest:
-        """Parse and validate a manifest.
-
-        Raises:
-            CheckpointError: not JSON, wrong format version or missing fields.
-        """
-        try:
-            d = json.loads(raw)
-            if d.get("format_version") != FORMAT_VERSION:
-                raise CheckpointError(
-                    f"manifest format version {d.get('format_version')!r} is not {FORMAT_VERSION}"
-                )
-            files = {
-                str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])}
-                for k, v in d["files"].items()
-            }
-            return cls(
-                step=int(d["step"]),
-                round=int(d["round"]),
-                world_size=int(d["world_size"]),
-                created=float(d["created"]),
-                files=files,
-                meta=dict(d.get("meta") or {}),
-                flexrun_version=str(d.get("flexrun_version", "")),
-            )
-        except CheckpointError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"manifest is malformed: {exc}") from exc
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step}"
-
 
 def list_steps(storage: Storage, root: str) -> list[int]:
     """Steps of committed checkpoint directories, ascending (unverified)."""
@@ -149,56 +111,66 @@ def list_steps(storage: Storage, root: str) -> list[int]:
     return sorted(steps)
 
 
-def read_fence(storage: Storage, root: str) -> int | None:
-    """The highest round that claimed ``root``, or ``None``.
+def read_fence_record(storage: Storage, root: str) -> FenceRecord | None:
+    """The ``fence.json`` record of ``root``, or ``None``.
 
     Raises:
         CheckpointError: the fence record exists but cannot be read.
     """
     if FENCE not in storage.list_dir(root):
         return None
-    try:
-        return int(json.loads(storage.read_bytes(storage.join(root, FENCE)))["round"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"fence record in {root} is malformed: {exc}") from exc
+    return parse_fence(storage.read_bytes(storage.join(root, FENCE)), root)
+
+
+def read_fence(storage: Storage, root: str) -> int | None:
+    """The highest writer generation (the round, within a run's first epoch) that claimed
+    ``root``, or ``None``.
+
+    Raises:
+        CheckpointError: the fence record exists but cannot be read.
+    """
+    record = read_fence_record(storage, root)
+    return None if record is None else record.generation
 
 
 def check_fence(storage: Storage, root: str, round: int) -> None:
-    """Raise :class:`FencedError` if a newer round than ``round`` has claimed ``root``."""
+    """Raise :class:`FencedError` if a newer generation than ``round`` (a writer's
+    generation) has claimed ``root``."""
     fenced = read_fence(storage, root)
     if fenced is not None and fenced > round:
-        raise FencedError(
-            f"checkpoint directory {root} belongs to round {fenced}; this writer is from "
-            f"round {round} and must not write (a straggler of an old round)"
-        )
+        raise FencedError(fenced_message(root, fenced, round))
 
 
-def claim_fence(storage: Storage, root: str, round: int) -> None:
-    """Record ``round`` as the directory's newest writer round (never lowers it).
+def claim_fence(storage: Storage, root: str, round: int, *, run: str = "local") -> int:
+    """Record this writer (``round`` of run ``run``) as the directory's newest (never lowers
+    it; see :func:`flexrun.train.layout.claim_decision`); return its generation.
 
     Raises:
-        FencedError: a newer round already claimed it.
+        FencedError: a newer round of the same run already claimed it.
         CheckpointError: the record cannot be written.
     """
     storage.makedirs(root)
-    check_fence(storage, root, round)
-    if read_fence(storage, root) == round:
-        return
-    tmp = storage.join(root, f".fence-r{round}-{uuid.uuid4().hex}")
-    payload = json.dumps({"round": round}).encode()
+    record, generation = claim_decision(
+        read_fence_record(storage, root), run=run, round=round, where=root
+    )
+    if record is None:
+        return generation
+    tmp = storage.join(root, f".fence-r{generation}-{uuid.uuid4().hex}")
+    payload = record.to_json()
     storage.write_file(tmp, lambda f: f.write(payload))
     try:
         storage.rename(tmp, storage.join(root, FENCE), replace=True)
     except CheckpointError:
         _remove_quietly(storage, tmp)
         raise
+    return generation
 
 
 def remove_stale_staging(storage: Storage, root: str, round: int) -> list[str]:
     """Delete staging/trash directories and temporary pointer/fence files left by crashed
-    writers of rounds <= ``round``.
+    writers of generations <= ``round`` (a writer's generation).
 
-    Only the one writer of ``round`` may call this, before it starts writing.
+    Only the one writer of that generation may call this, before it starts writing.
     """
     removed = []
     for name in storage.list_dir(root):
@@ -225,8 +197,10 @@ def commit_checkpoint(
     meta: Mapping[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     fault_hook: FaultHook | None = None,
+    generation: int | None = None,
 ) -> Manifest:
-    """Write ``files`` (name -> writer callable) as checkpoint ``step`` and commit it.
+    """Write ``files`` (name -> writer callable) as checkpoint ``step`` and commit it
+    (``generation``: the writer's fencing generation; default its round).
 
     Either the whole checkpoint becomes visible as ``step_<step>`` or nothing does; the
     staging directory is removed on failure.
@@ -236,8 +210,9 @@ def commit_checkpoint(
         CheckpointError: any write, sync or rename failed (e.g. disk full).
     """
     hook = fault_hook or (lambda _stage: None)
-    check_fence(storage, root, round)
-    tmp = staging_dir(storage, root, step, round)
+    gen = round if generation is None else generation
+    check_fence(storage, root, gen)
+    tmp = staging_dir(storage, root, step, gen)
     committed = False
     try:
         storage.makedirs(tmp)
@@ -261,6 +236,7 @@ def commit_checkpoint(
             meta=meta,
             clock=clock,
             fault_hook=fault_hook,
+            generation=generation,
         )
         committed = True
         return manifest
@@ -284,6 +260,7 @@ def finalize_staged(
     meta: Mapping[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     fault_hook: FaultHook | None = None,
+    generation: int | None = None,
 ) -> Manifest:
     """Commit a staging directory whose data files are durable: manifest, fence, rename, latest.
 
@@ -294,6 +271,7 @@ def finalize_staged(
         CheckpointError: a write, sync or rename failed.
     """
     hook = fault_hook or (lambda _stage: None)
+    gen = round if generation is None else generation
     final = storage.join(root, step_dir_name(step))
     manifest = Manifest(
         step=step,
@@ -302,25 +280,26 @@ def finalize_staged(
         created=clock.wall(),
         files={k: dict(v) for k, v in entries.items()},
         meta=dict(meta or {}),
+        generation=generation,
     )
     body = manifest.to_json()
     storage.write_file(storage.join(tmp, MANIFEST), lambda f: f.write(body))
     hook("manifest_written")
     # The pointer's bytes are written before anything is published, so a full disk fails
     # the save here and never after the checkpoint became visible.
-    pointer = storage.join(root, f".latest-r{round}-{uuid.uuid4().hex[:12]}")
+    pointer = storage.join(root, f".latest-r{gen}-{uuid.uuid4().hex[:12]}")
     name_bytes = step_dir_name(step).encode()
     storage.write_file(pointer, lambda f: f.write(name_bytes))
     trash: str | None = None
     published = False
     try:
-        check_fence(storage, root, round)
+        check_fence(storage, root, gen)
         hook("fence_checked")
         if step in list_steps(storage, root):
             # Re-saving a step (a resumed run redoing work after falling back past a bad
             # checkpoint): move the old one aside first; it comes back if this one fails.
             trash = storage.join(
-                root, f".trash-{step_dir_name(step)}-r{round}-{uuid.uuid4().hex[:12]}"
+                root, f".trash-{step_dir_name(step)}-r{gen}-{uuid.uuid4().hex[:12]}"
             )
             storage.rename(final, trash, replace=False)
         try:
@@ -333,7 +312,7 @@ def finalize_staged(
         try:
             storage.rename(pointer, storage.join(root, LATEST), replace=True)
             hook("latest_updated")
-            check_fence(storage, root, round)
+            check_fence(storage, root, gen)
         except CheckpointError:
             # A newer round claimed the directory while we committed, or the storage
             # failed: withdraw ours, so that a save reported failed left nothing new.
@@ -384,8 +363,7 @@ def read_latest(storage: Storage, root: str) -> int | None:
     """Step the ``latest`` pointer names, or ``None`` (a hint only; loading verifies)."""
     if LATEST not in storage.list_dir(root):
         return None
-    m = _STEP_RE.match(storage.read_bytes(storage.join(root, LATEST)).decode(errors="replace"))
-    return int(m.group(1)) if m else None
+    return parse_latest(storage.read_bytes(storage.join(root, LATEST)))
 
 
 def verify_checkpoint(storage: Storage, root: str, step: int) -> tuple[Manifest, dict[str, bytes]]:
@@ -395,57 +373,101 @@ def verify_checkpoint(storage: Storage, root: str, step: int) -> tuple[Manifest,
         CheckpointError: missing manifest or file, or a size/checksum mismatch; the message
             says which.
     """
-    d = storage.join(root, step_dir_name(step))
-    names = set(storage.list_dir(d))
-    if MANIFEST not in names:
-        raise CheckpointError(f"{step_dir_name(step)}: manifest.json missing")
-    manifest = Manifest.from_json(storage.read_bytes(storage.join(d, MANIFEST)))
-    if manifest.step != step:
-        raise CheckpointError(f"{step_dir_name(step)}: manifest says step {manifest.step}")
-    data: dict[str, bytes] = {}
-    for name, entry in manifest.files.items():
-        if name not in names:
-            raise CheckpointError(f"{step_dir_name(step)}/{name}: file missing")
-        blob = storage.read_bytes(storage.join(d, name))
-        if len(blob) != entry["size"]:
-            raise CheckpointError(
-                f"{step_dir_name(step)}/{name}: size {len(blob)} != manifest {entry['size']}"
+    return verify(RenameCommit(storage, root), step)
+
+
+class RenameCommit:
+    """The POSIX protocol (see the module docstring) behind ``CommitProtocol``."""
+
+    fencing = "checked"
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+
+    def path(self, *parts: str) -> str:
+        return self.storage.join(self.root, *parts)
+
+    def claim(self, *, run: str, round: int) -> int:
+        self.storage.makedirs(self.root)
+        generation = claim_fence(self.storage, self.root, round, run=run)
+        try:
+            remove_stale_staging(self.storage, self.root, generation)
+        except CheckpointError as exc:  # leftovers only cost space; the next writer retries
+            logging.getLogger(__name__).warning(
+                "could not remove stale checkpoint staging: %s", exc
             )
-        if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{step_dir_name(step)}/{name}: sha256 mismatch (corrupted)")
-        data[name] = blob
-    return manifest, data
+        return generation
 
+    def check_fence(self, generation: int) -> None:
+        check_fence(self.storage, self.root, generation)
 
-def select_retained(steps: list[int], *, keep_last: int, keep_every: int | None) -> set[int]:
-    """Which of ``steps`` retention keeps: the newest ``keep_last`` plus multiples of ``keep_every``."""
-    keep = set(sorted(steps)[-keep_last:]) if keep_last > 0 else set()
-    if keep_every:
-        keep |= {s for s in steps if s % keep_every == 0}
-    if steps and not keep:
-        keep.add(max(steps))
-    return keep
+    def steps(self) -> list[int]:
+        return list_steps(self.storage, self.root)
 
+    def begin(self, step: int, *, round: int, generation: int) -> Staged:
+        self.check_fence(generation)
+        tmp = staging_dir(self.storage, self.root, step, generation)
+        self.storage.makedirs(tmp)
+        return Staged(step=step, round=round, generation=generation, path=tmp)
 
-def prune(
-    storage: Storage,
-    root: str,
-    *,
-    keep_last: int,
-    keep_every: int | None,
-    protect: int,
-) -> list[int]:
-    """Delete checkpoints that retention does not keep; ``protect`` (just committed) never goes.
+    def write(self, staged: Staged, name: str, writer: Writer) -> dict[str, Any]:
+        if name == MANIFEST or "/" in name or os.sep in name:
+            raise CheckpointError(f"invalid checkpoint file name {name!r}")
+        size, digest = self.storage.write_file(self.storage.join(staged.path, name), writer)
+        return {"size": size, "sha256": digest}
 
-    Deletes only when ``protect`` is committed, so the only good checkpoint is never removed.
-    """
-    steps = list_steps(storage, root)
-    if protect not in steps:
-        return []
-    keep = select_retained(steps, keep_last=keep_last, keep_every=keep_every) | {protect}
-    removed = []
-    for s in steps:
-        if s not in keep and s < protect:
-            storage.remove_tree(storage.join(root, step_dir_name(s)))
-            removed.append(s)
-    return removed
+    def publish(
+        self,
+        staged: Staged,
+        *,
+        world_size: int,
+        entries: Mapping[str, Mapping[str, Any]],
+        meta: Mapping[str, Any] | None,
+        clock: Clock,
+        fault_hook: FaultHook | None,
+    ) -> Manifest:
+        return finalize_staged(
+            self.storage,
+            self.root,
+            staged.path,
+            step=staged.step,
+            round=staged.round,
+            world_size=world_size,
+            entries=entries,
+            meta=meta,
+            clock=clock,
+            fault_hook=fault_hook,
+            generation=staged.generation,
+        )
+
+    def discard(self, staged: Staged) -> None:
+        self.storage.remove_tree(staged.path)
+
+    def read_manifest(self, step: int) -> Manifest:
+        d = self.path(step_dir_name(step))
+        if MANIFEST not in self.storage.list_dir(d):
+            raise CheckpointError(f"{step_dir_name(step)}: manifest.json missing")
+        return Manifest.from_json(self.storage.read_bytes(self.storage.join(d, MANIFEST)))
+
+    def read_chunks(self, step: int, manifest: Manifest, name: str) -> Iterator[bytes]:
+        d = self.path(step_dir_name(step), manifest.data_dir) if manifest.data_dir else (
+            self.path(step_dir_name(step))
+        )
+        if name not in self.storage.list_dir(d):
+            raise CheckpointError(f"{step_dir_name(step)}/{name}: file missing")
+        return self.storage.read_chunks(self.storage.join(d, name))
+
+    def fingerprint(self, step: int) -> tuple[Any, ...]:
+        return self.storage.fingerprint(self.path(step_dir_name(step)))
+
+    def remove(self, step: int) -> None:
+        d = self.path(step_dir_name(step))
+        # Manifest first: a deletion cut short leaves files without a manifest (ignored,
+        # removed by the next claim), never a manifest naming missing files.
+        self.storage.remove_tree(self.storage.join(d, MANIFEST))
+        self.storage.remove_tree(d)
+
+    def read_latest(self) -> int | None:
+        return read_latest(self.storage, self.root)
+

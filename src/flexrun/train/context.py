@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from flexrun.errors import ConfigError
 from flexrun.train.env import WorkerEnv, read_env
+from flexrun.train.progress import install_stack_dump
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +82,7 @@ def init(
             a rendezvous address.
     """
     global _current, _owns_group
+    install_stack_dump()
     with _lock:
         if _current is not None:
             return _current

@@ -43,6 +43,7 @@ from flexrun.errors import ConfigError
 from flexrun.events import EventLog
 from flexrun.train.context import TrainContext, current
 from flexrun.train.env import read_env
+from flexrun.train.progress import install_stack_dump
 
 if TYPE_CHECKING:
     from flexrun.train.live import LiveLoop
@@ -191,6 +192,7 @@ class MetricsLogger:
             ConfigError: bad rates, or ``tensorboard=True`` without the package or a
                 run directory.
         """
+        install_stack_dump()
         if every_steps < 1:
             raise ConfigError(f"every_steps must be >= 1, got {every_steps}")
         if not min_interval_s >= 0:

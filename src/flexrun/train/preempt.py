@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from flexrun.events import EventLog
 from flexrun.train.context import TrainContext, current, single_process_context
+from flexrun.train.progress import install_stack_dump
 
 EXIT_CODE = 128 + int(signal.SIGTERM)
 
@@ -41,6 +42,7 @@ class PreemptionGuard:
         Raises:
             ValueError: not called from the main thread (Python's signal rule).
         """
+        install_stack_dump()
         self._ctx = ctx or current() or single_process_context()
         self._flag = threading.Event()
         self._signum: int | None = None

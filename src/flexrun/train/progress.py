@@ -2,10 +2,13 @@
 
 Owns the worker's side of ``flexrun run --hang-timeout``: :func:`report_progress` touches
 the file the agent names in ``FLEXRUN_PROGRESS_FILE`` (at most a few times a second), and
-importing ``flexrun.train`` registers :mod:`faulthandler` on SIGUSR2 so that the agent can
+:func:`install_stack_dump` registers :mod:`faulthandler` on SIGUSR2 so that the agent can
 ask a silent worker for the Python stacks of all its threads (written to
-``FLEXRUN_STACK_FILE``) before it treats the worker as failed. Under torchrun, or without
-``--hang-timeout``, both are no-ops.
+``FLEXRUN_STACK_FILE``) before it treats the worker as failed. Importing ``flexrun.train``
+does neither: the dump is installed on first use, by :func:`flexrun.train.init`, the first
+:func:`report_progress` (what the agent's hang detection watches), and the constructors of
+``Checkpointer``, ``ShardedCheckpointer``, ``MetricsLogger`` and ``PreemptionGuard``.
+Under torchrun, or without ``--hang-timeout``, both are no-ops.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _stack_fh: IO[str] | None = None
 def report_progress(step: int | None = None) -> None:
     """Tell the agent this rank made progress (call once per training step)."""
     global _last
+    if _stack_fh is None:
+        install_stack_dump()
     path = os.environ.get("FLEXRUN_PROGRESS_FILE")
     now = time.monotonic()
     if not path or now - _last < _MIN_INTERVAL_S:

@@ -2,26 +2,30 @@
 
 Owns saving and loading state whose tensors are sharded across ranks, so a checkpoint
 written at world size N loads at world size M (DCP reshards). Every rank writes its own
-shards into one staging directory on a shared filesystem; rank 0 then hashes every file,
-writes the manifest and commits with the same protocol as replicated checkpoints
-(``flexrun.train.commit``). Loading verifies on rank 0 and refuses code execution: DCP's
-own reader unpickles ``.metadata`` with plain ``pickle`` and non-tensor items with
-``weights_only=False``; here metadata goes through an allowlist unpickler and non-tensor
-items through ``weights_only=True``. Saves are synchronous (collective). Local/shared
-filesystem paths only (no fsspec URLs here).
+shards into the save's staging place (a staging directory on a shared filesystem, or the
+attempt prefix on an object store, through DCP's fsspec writer), hashing each file as it
+streams out; rank 0 gathers the digests, writes the manifest and commits with the same
+protocol as replicated checkpoints (``flexrun.train.commit`` or ``commit_object``: on an
+object store the manifest written last is the commit point). Loading verifies on rank 0
+and refuses code execution: DCP's own reader unpickles ``.metadata`` with plain
+``pickle`` and non-tensor items with ``weights_only=False``; here metadata goes through
+an exact allow-list of the (module, name) pairs DCP's metadata consists of
+(:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Saves are
+synchronous (collective).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import pickle
+import threading
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -30,42 +34,54 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
 from flexrun.events import EventLog
-from flexrun.train.checkpoint import Loaded, Stateful, load_weights_only
-from flexrun.train.commit import (
-    check_fence,
-    claim_fence,
-    finalize_staged,
-    list_steps,
-    prune,
-    remove_stale_staging,
-    staging_dir,
-    step_dir_name,
-    verify_checkpoint,
+from flexrun.train.checkpoint import (
+    Loaded,
+    RankZero,
+    Stateful,
+    StorageOptions,
+    resolve_storage_options,
 )
+from flexrun.train.commit import RenameCommit
+from flexrun.train.commit_object import ObjectCommit, open_commit
 from flexrun.train.context import TrainContext, current, single_process_context
+from flexrun.train.layout import Staged, VerifiedCache, prune, step_dir_name, verify
+from flexrun.train.options import CheckpointOptions
+from flexrun.train.progress import install_stack_dump
+from flexrun.train.serialize import load_weights_only
 from flexrun.train.state import capture_rng, restore_rng
-from flexrun.train.storage import LocalStorage, fsync_dir
 
 _METADATA = ".metadata"
-_TORCH_NAMES = {"Size", "device", "layout", "memory_format", "dtype", "strided"}
+
+METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+    | {(("torch", n)) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+)
+"""Every global DCP's ``.metadata`` may name, exactly: what torch 2.13 writes for models
+with optimizer state (Adam, SGD, AdamW), DTensor shards and non-tensor items (the classes
+of ``torch.distributed.checkpoint.metadata``, the file reader's ``_StorageInfo``, tensor
+sizes, dtypes and layouts, a checkpoint id path). No dotted names, no other module."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing every global outside DCP's own data classes."""
+    """Unpickles DCP metadata, refusing every global outside :data:`METADATA_GLOBALS`."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (
-                module == "torch"
-                and (name in _TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype))
-            )
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "collections" and name == "OrderedDict")
-            or (module == "builtins" and name in {"set", "frozenset", "slice"})
-            or (module == "pathlib" and name in {"PosixPath", "PurePosixPath"})
-        )
-        if not allowed:
+        if (module, name) not in METADATA_GLOBALS:
             raise pickle.UnpicklingError(f"refused global {module}.{name} in checkpoint metadata")
         return super().find_class(module, name)
 
@@ -74,7 +90,7 @@ def read_safe_metadata(blob: bytes) -> Metadata:
     """Parse DCP metadata without running code.
 
     Raises:
-        CheckpointError: it names a global outside the allowlist or is not metadata.
+        CheckpointError: it names a global outside the allow-list or is not metadata.
     """
     try:
         meta = _MetadataUnpickler(io.BytesIO(blob)).load()
@@ -85,15 +101,33 @@ def read_safe_metadata(blob: bytes) -> Metadata:
     return meta
 
 
-class _SafeReader(FileSystemReader):
+class _SafeMetadata:
+    """A DCP reader mixin: ``.metadata`` through the allow-list, never plain pickle."""
+
+    fs: Any
+    path: Any
+    load_id: Any
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(os.fspath(self.path), _METADATA)
-        with open(path, "rb") as fh:
+        with self.fs.create_stream(self.fs.concat_path(self.path, _METADATA), "rb") as fh:
             meta = read_safe_metadata(fh.read())
         storage_meta = meta.storage_meta or StorageMeta()
         storage_meta.load_id = self.load_id
         meta.storage_meta = storage_meta
         return meta
+
+
+class _SafeReader(_SafeMetadata, FileSystemReader):
+    pass
+
+
+def _fsspec_reader(url: str, options: Mapping[str, Any]) -> Any:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+        pass
+
+    return _SafeFsspecReader(url, **dict(options))
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -107,47 +141,106 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-class ShardedCheckpointer:
+class _HashingStream:
+    """A write stream that hashes and counts what DCP writes through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        self._raw.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class _HashingFS:
+    """Wraps a DCP ``FileSystem``: records (size, sha256) of every file written, by name."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.digests: dict[str, dict[str, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
+        with self._inner.create_stream(path, mode) as raw:
+            if "r" in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+        with self._lock:
+            self.digests[_base(path)] = {"size": stream.size, "sha256": stream.sha256.hexdigest()}
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self._inner.rename(path, new_path)
+        with self._lock:
+            if _base(path) in self.digests:
+                self.digests[_base(new_path)] = self.digests.pop(_base(path))
+
+
+def _base(path: Any) -> str:
+    return os.path.basename(str(os.fspath(path)).rstrip("/"))
+
+
+class ShardedCheckpointer(RankZero):
     """Collective save/load of sharded state with DCP under flexrun's commit protocol."""
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
+        options: CheckpointOptions | None = None,
+        storage_options: StorageOptions = None,
         ctx: TrainContext | None = None,
-        keep_last: int = 3,
-        keep_every: int | None = None,
-        save_rng: bool = True,
         events: EventLog | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        **option_kwargs: Any,
     ) -> None:
-        """Same arguments as :class:`flexrun.train.Checkpointer` (saves are synchronous).
+        """Same arguments as :class:`flexrun.train.Checkpointer`; of the options only
+        ``keep_last``, ``keep_every`` and ``save_rng`` apply (saves are synchronous).
 
         Raises:
-            CheckpointError: ``directory`` is a URL, bad retention, or this round is fenced.
+            CheckpointError: unusable directory, bad retention, or this round is fenced.
         """
-        text = os.fspath(directory)
-        if "://" in text:
-            raise CheckpointError(f"{text}: sharded checkpoints need a local/shared directory")
-        if keep_last < 1:
-            raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        self.options = CheckpointOptions.build(options, option_kwargs)
+        install_stack_dump()
         self._ctx = ctx or current() or single_process_context()
-        self._root = os.path.abspath(text)
-        self._storage = LocalStorage()
-        self._keep_last, self._keep_every = keep_last, keep_every
-        self._save_rng = save_rng
+        self._storage_options = resolve_storage_options(storage_options) or {}
+        self._proto = open_commit(directory, storage_options=self._storage_options)
         self._clock = clock
         self._objects: dict[str, Stateful] = {}
-        if events is None and self._ctx.run_dir is not None:
-            events = EventLog(self._ctx.run_dir, run_id=self._ctx.run_id, node=self._ctx.node)
-        if events is not None and events.round is None:
-            events.round = self._ctx.round
-        self._events = events
-        error = None
+        self._verified = VerifiedCache()
+        self._setup_events(events)
+        error, self._generation = None, self._ctx.round
         if self._ctx.is_main:
             try:
-                claim_fence(self._storage, self._root, self._ctx.round)
-                remove_stale_staging(self._storage, self._root, self._ctx.round)
+                self._generation = self._proto.claim(run=self._ctx.run_id, round=self._ctx.round)
             except CheckpointError as exc:
                 error = str(exc)
         error = self._broadcast(error)
@@ -166,7 +259,23 @@ class ShardedCheckpointer:
 
     def steps(self) -> list[int]:
         """Committed (unverified) steps, ascending."""
-        return list_steps(self._storage, self._root)
+        return self._proto.steps()
+
+    def _is_object_store(self) -> bool:
+        return isinstance(self._proto, ObjectCommit)
+
+    def _dcp_writer(self, staged: Staged) -> tuple[Any, _HashingFS]:
+        if isinstance(self._proto, RenameCommit):
+            writer: Any = FileSystemWriter(staged.path, sync_files=True)
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            url = self._proto.store.url(staged.path)  # type: ignore[attr-defined]
+            # The object is durable once its upload completes; there is no fsync.
+            writer = FsspecWriter(url, sync_files=False, **self._storage_options)
+        hashing = _HashingFS(writer.fs)
+        writer.fs = hashing
+        return writer, hashing
 
     def save(self, step: int, *, extra: dict[str, Any] | None = None) -> None:
         """Write every rank's shards and commit ``step``. Collective and synchronous.
@@ -176,84 +285,88 @@ class ShardedCheckpointer:
                 checkpoint is intact.
         """
         t0 = self._clock.monotonic()
-        tmp, error = None, None
+        staged, error = None, None
         if self._ctx.is_main:
             try:
-                check_fence(self._storage, self._root, self._ctx.round)
-                tmp = staging_dir(self._storage, self._root, step, self._ctx.round)
-                self._storage.makedirs(tmp)
+                staged = self._proto.begin(
+                    step, round=self._ctx.round, generation=self._generation
+                )
             except CheckpointError as exc:
                 error = str(exc)
-        tmp, error = self._broadcast((tmp, error))
+        staged, error = self._broadcast((staged, error))
         if error is not None:
             raise CheckpointError(error)
-        assert tmp is not None
-        local_error = None
+        assert staged is not None
+        local_error, entries = None, {}
         try:
-            dcp.save(dict(self._objects), storage_writer=FileSystemWriter(tmp, sync_files=True))
-            if self._save_rng:
+            writer, hashing = self._dcp_writer(staged)
+            dcp.save(dict(self._objects), storage_writer=writer)
+            entries.update(hashing.digests)
+            if self.options.save_rng:
                 rng = capture_rng()
-                self._storage.write_file(
-                    os.path.join(tmp, f"rng_{self._ctx.rank}.pt"), lambda f: torch.save(rng, f)
-                )
+                name = f"rng_{self._ctx.rank}.pt"
+                entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
             if self._ctx.is_main:
                 payload = dict(extra or {})
-                self._storage.write_file(
-                    os.path.join(tmp, "extra.pt"), lambda f: torch.save(payload, f)
+                entries["extra.pt"] = self._proto.write(
+                    staged, "extra.pt", lambda f: torch.save(payload, f)
                 )
         except Exception as exc:  # DCP raises CheckpointException, OSError ...
             local_error = f"rank {self._ctx.rank}: {exc}"
-        errors = [e for e in self._gather(local_error) if e]
+        gathered = self._gather((local_error, entries))
         result = None
         if self._ctx.is_main:
             try:
+                errors = [e for e, _ in gathered if e]
                 if errors:
                     raise CheckpointError("sharded save failed: " + "; ".join(errors))
-                self._commit(step, tmp, stall_s=self._clock.monotonic() - t0)
+                merged: dict[str, Any] = {}
+                for _, files in gathered:
+                    merged.update(files)
+                self._commit(staged, merged, stall_s=self._clock.monotonic() - t0)
             except CheckpointError as exc:
-                self._storage.remove_tree(tmp)
-                self._emit("checkpoint_save_failed", step=step, error=str(exc))
-                result = f"error: {exc}"
+                message = str(exc)
+                try:
+                    self._proto.discard(staged)
+                except CheckpointError as cleanup:
+                    message += f" (and its cleanup failed: {cleanup})"
+                self._emit("checkpoint_save_failed", step=step, error=message)
+                result = f"error: {message}"
         result = self._broadcast(result)
         if isinstance(result, str):
             raise CheckpointError(result)
 
-    def _commit(self, step: int, tmp: str, *, stall_s: float) -> None:
+    def _commit(self, staged: Staged, entries: dict[str, Any], *, stall_s: float) -> None:
         t0 = self._clock.monotonic()
-        entries = {}
-        for dirpath, _dirs, files in os.walk(tmp):
-            for f in files:
-                full = os.path.join(dirpath, f)
-                rel = os.path.relpath(full, tmp)
-                if os.sep in rel:
-                    raise CheckpointError(f"unexpected nested file {rel} in DCP output")
-                entries[rel] = _hash_file(full)
-        fsync_dir(tmp)
-        manifest = finalize_staged(
-            self._storage,
-            self._root,
-            tmp,
-            step=step,
-            round=self._ctx.round,
+        if _METADATA not in entries:
+            raise CheckpointError(f"DCP wrote no {_METADATA} for step {staged.step}")
+        if isinstance(self._proto, RenameCommit):
+            from flexrun.train.storage import fsync_dir
+
+            fsync_dir(staged.path)
+        manifest = self._proto.publish(
+            staged,
             world_size=self._ctx.world_size,
             entries=entries,
             meta={"kind": "dcp", "objects": sorted(self._objects)},
             clock=self._clock,
+            fault_hook=None,
         )
+        self._verified.mark(self._proto, staged.step)
         prune(
-            self._storage,
-            self._root,
-            keep_last=self._keep_last,
-            keep_every=self._keep_every,
-            protect=step,
+            self._proto,
+            keep_last=self.options.keep_last,
+            keep_every=self.options.keep_every,
+            protect=staged.step,
+            cache=self._verified,
         )
         self._emit(
             "checkpoint_saved",
-            step=step,
+            step=staged.step,
             bytes=manifest.total_bytes,
             stall_s=round(stall_s + self._clock.monotonic() - t0, 6),
             persist_s=round(self._clock.monotonic() - t0, 6),
-            path=os.path.join(self._root, step_dir_name(step)),
+            path=self._proto.path(step_dir_name(staged.step)),
             sharded=True,
         )
 
@@ -264,42 +377,49 @@ class ShardedCheckpointer:
             CheckpointError: checkpoints exist but none verifies, or DCP failed to load.
         """
         t0 = self._clock.monotonic()
-        chosen, failure, skipped, nbytes = None, None, [], 0
+        chosen, failure, skipped, info = None, None, [], None
         if self._ctx.is_main:
             candidates = sorted(self.steps(), reverse=True)
             reasons = []
             for s in candidates:
                 try:
-                    manifest, blobs = verify_checkpoint(self._storage, self._root, s)
+                    manifest, blobs = verify(self._proto, s, keep=lambda n: n == _METADATA)
                     if manifest.meta.get("kind") != "dcp" or _METADATA not in blobs:
                         raise CheckpointError(f"step_{s} is not a sharded (DCP) checkpoint")
                     read_safe_metadata(blobs[_METADATA])
-                    chosen, nbytes = s, manifest.total_bytes
+                    chosen = s
+                    info = (manifest.total_bytes, manifest.world_size, manifest.data_dir)
                     break
                 except CheckpointError as exc:
                     skipped.append(s)
                     reasons.append(str(exc))
                     self._emit("checkpoint_fallback", step=s, reason=str(exc))
             if chosen is None and candidates:
-                failure = f"no checkpoint in {self._root} verifies: " + "; ".join(reasons)
-        chosen, failure, skipped, nbytes = self._broadcast((chosen, failure, skipped, nbytes))
+                failure = f"no checkpoint in {self._proto.path()} verifies: " + "; ".join(reasons)
+        chosen, failure, skipped, info = self._broadcast((chosen, failure, skipped, info))
         if failure is not None:
             raise CheckpointError(failure)
         if chosen is None:
             return None
-        path = os.path.join(self._root, step_dir_name(chosen))
+        nbytes, saved_world, data_dir = info
+        parts = [step_dir_name(chosen)] + ([data_dir] if data_dir else [])
+        path = self._proto.path(*parts)
+        reader = (
+            _fsspec_reader(path, self._storage_options)
+            if self._is_object_store()
+            else _SafeReader(path)
+        )
         try:
-            dcp.load(dict(self._objects), storage_reader=_SafeReader(path), planner=_SafePlanner())
+            dcp.load(dict(self._objects), storage_reader=reader, planner=_SafePlanner())
         except Exception as exc:  # DCP wraps rank failures in CheckpointException
             raise CheckpointError(f"DCP load of {path} failed: {exc}") from exc
-        rng_path = os.path.join(path, f"rng_{self._ctx.rank}.pt")
-        if self._save_rng and os.path.exists(rng_path):
-            restore_rng(load_weights_only(self._storage.read_bytes(rng_path), what=rng_path))
-        extra = load_weights_only(
-            self._storage.read_bytes(os.path.join(path, "extra.pt")), what="extra.pt"
-        )
-        with open(os.path.join(path, "manifest.json"), "rb") as fh:
-            saved_world = int(json.load(fh)["world_size"])
+        manifest = self._proto.read_manifest(chosen)
+        rng_name = f"rng_{self._ctx.rank}.pt"
+        if self.options.save_rng and rng_name in manifest.files:
+            blob = b"".join(self._proto.read_chunks(chosen, manifest, rng_name))
+            restore_rng(load_weights_only(blob, what=rng_name))
+        extra_blob = b"".join(self._proto.read_chunks(chosen, manifest, "extra.pt"))
+        extra = load_weights_only(extra_blob, what="extra.pt")
         self._emit(
             "checkpoint_loaded",
             step=chosen,
@@ -312,34 +432,3 @@ class ShardedCheckpointer:
         return Loaded(
             step=chosen, extra=dict(extra), world_size=saved_world, skipped=tuple(skipped)
         )
-
-    def _distributed(self) -> bool:
-        return self._ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self._distributed():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self._distributed():
-            return [obj]
-        out: list[Any] = [None] * self._ctx.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _emit(self, event: str, **fields: Any) -> None:
-        if self._events is not None and self._ctx.is_main:
-            self._events.emit(event, rank=self._ctx.rank, **fields)
-
-
-def _hash_file(path: str) -> dict[str, Any]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}

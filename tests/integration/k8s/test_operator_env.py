@@ -17,17 +17,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from k8s_pods import Mounts, container_env, expand
+from support import wait_for
 
 from flexrun.k8s.render import render
 from flexrun.k8s.spec import parse_job_spec
@@ -63,40 +64,32 @@ def exit_code_policy_retries(code: int) -> bool:
     return 128 <= code <= 255
 
 
-def _container_env(container: dict[str, Any], pod_name: str) -> dict[str, str]:
-    field_values = {"status.podIP": "127.0.0.1", "metadata.name": pod_name}
-    env = {}
-    for e in container.get("env", []):
-        if "value" in e:
-            env[e["name"]] = e["value"]
-        else:
-            env[e["name"]] = field_values[e["valueFrom"]["fieldRef"]["fieldPath"]]
-    return env
-
-
-def _expand(arg: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
-
-
 class Pods:
     """Worker "pods" (agents) of one rendered job; every process tree is killed at the end."""
 
     def __init__(self, job: dict[str, Any], tmp: Path, dns: dict[str, str]) -> None:
         self.job, self.tmp, self.dns = job, tmp, dns
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # The job Secret's volume, as a local directory (what the kubelet mounts).
+        secret = tmp / "job-secret"
+        secret.mkdir()
+        (secret / "secret").write_text("operator-env-" + os.urandom(16).hex())
+        (secret / "secret").chmod(0o440)
+        self.mounts = Mounts({"/var/run/flexrun/secret": secret})
 
     def start(self, index: int) -> subprocess.Popen[bytes]:
         name = f"{self.job['metadata']['name']}-worker-{index}"
         worker = self.job["spec"]["pytorchReplicaSpecs"]["Worker"]
         (container,) = worker["template"]["spec"]["containers"]
         assert container["command"] == ["flexrun", "run"]
-        cenv = _container_env(container, name)
+        fields = {"status.podIP": "127.0.0.1", "metadata.name": name}
+        cenv = {k: self.mounts.rewrite(v) for k, v in container_env(container, fields).items()}
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
         env.update(operator_env(self.job))
         host, port = env["PET_RDZV_ENDPOINT"].rsplit(":", 1)
         env["PET_RDZV_ENDPOINT"] = f"{self.dns[host]}:{port}"  # cluster DNS
         env.update(cenv)
-        args = [_expand(a, cenv) for a in container["args"]]
+        args = [expand(a, cenv) for a in container["args"]]
         cwd = self.tmp / name
         cwd.mkdir()
         with open(cwd / "agent.log", "wb") as log:
@@ -138,21 +131,12 @@ def flexrun_store(tmp_path: Path) -> Iterator[int]:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        _wait_for(lambda: b"listening" in (tmp_path / "store.log").read_bytes(), 30, "the store")
+        wait_for(lambda: b"listening" in (tmp_path / "store.log").read_bytes(), 30, "the store")
         yield port
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-
-
-def _wait_for(pred: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _worlds_since(progress: Path, ts: float) -> set[int]:
@@ -199,7 +183,7 @@ def test_rendered_pods_form_one_job_survive_a_spot_reclaim_and_scale_back_up(
     try:
         a, b = pods.start(0), pods.start(1)
         t0 = time.time()
-        _wait_for(lambda: 2 in _worlds_since(progress, t0), 120, "the two pods to form one job")
+        wait_for(lambda: 2 in _worlds_since(progress, t0), 120, "the two pods to form one job")
 
         # Spot reclaim: the kubelet sends SIGTERM to the container's main process (the agent).
         a.send_signal(signal.SIGTERM)
@@ -210,15 +194,13 @@ def test_rendered_pods_form_one_job_survive_a_spot_reclaim_and_scale_back_up(
         assert list(tmp_path.glob("sigterm.*")), (
             "the worker never saw SIGTERM (no final checkpoint)"
         )
-        _wait_for(
-            lambda: 1 in _worlds_since(progress, t_kill + 0.5), 90, "the survivor to continue"
-        )
+        wait_for(lambda: 1 in _worlds_since(progress, t_kill + 0.5), 90, "the survivor to continue")
         assert b.poll() is None, pods.log("sim-worker-1")
 
         # New capacity: a new pod joins and the job grows back.
         t_join = time.time()
         c = pods.start(2)
-        _wait_for(lambda: 2 in _worlds_since(progress, t_join), 120, "the job to scale back up")
+        wait_for(lambda: 2 in _worlds_since(progress, t_join), 120, "the job to scale back up")
         assert b.poll() is None and c.poll() is None
     except AssertionError:
         for name in pods.procs:
@@ -245,6 +227,8 @@ def test_operator_env_for_the_rendered_job_carries_every_launcher_setting() -> N
         "PET_RDZV_ENDPOINT": "envcheck-etcd:2379",
         "PET_MAX_RESTARTS": "2",
         "PET_RDZV_ID": "envcheck",
-        "PET_RDZV_CONF": "join_timeout=90",
+        # etcd's TLS files from the mounted Secret (the rendered etcd requires client certs)
+        "PET_RDZV_CONF": "join_timeout=90,cacert=/var/run/flexrun/etcd/ca.crt,"
+        "cert=/var/run/flexrun/etcd/tls.crt,key=/var/run/flexrun/etcd/tls.key",
     }
     assert not exit_code_policy_retries(1) and exit_code_policy_retries(143)

@@ -5,8 +5,12 @@ forked child, so every kill is a real SIGKILL of a real process). Modes:
 
 - ``stages DIR``: for each commit stage, a child saves step 1, then SIGKILLs itself at that
   stage while saving step 2.
-- ``random DIR N SEED``: N children each save in a loop and are killed by the driver
-  after a random delay.
+- ``random DIR N SEED [MIN_S MAX_S]``: N children each save in a loop and are killed by
+  the driver after a random delay (default 0.3-1.2 s). ``DIR`` may be a URL
+  (``s3://bucket/prefix``): storage options then come from
+  ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS``, and each result also says whether the kill left
+  objects no manifest names or an incomplete multipart upload (all removed by the next
+  writer's claim).
 
 After every kill the driver loads with a fresh Checkpointer and checks that the result is
 complete and verified: the loaded weights equal the value written at the loaded step, no
@@ -65,9 +69,14 @@ def writer_stage(root: str, stage: str) -> None:
     os._exit(3)  # unreachable when the hook fires
 
 
+def _checkpointer(root: str, **kw: object) -> Checkpointer:
+    options = "env" if "://" in root else None
+    return Checkpointer(root, ctx=single_process_context(), storage_options=options, **kw)  # type: ignore[arg-type]
+
+
 def writer_loop(root: str) -> None:
     blob = Blob(1_000_000)
-    c = Checkpointer(root, ctx=single_process_context(), keep_last=2)
+    c = _checkpointer(root, keep_last=2)
     c.register("blob", blob)
     loaded = c.load()
     step = loaded.step if loaded else 0
@@ -80,7 +89,7 @@ def writer_loop(root: str) -> None:
 
 def verify(root: str) -> tuple[int | None, tuple[int, ...]]:
     blob = Blob(1)
-    c = Checkpointer(root, ctx=single_process_context(), keep_last=2)
+    c = _checkpointer(root, keep_last=2)
     blob.w, blob.b = torch.empty(0), torch.empty(0, dtype=torch.float64)
 
     class Loose:
@@ -96,6 +105,43 @@ def verify(root: str) -> tuple[int | None, tuple[int, ...]]:
         return None, ()
     assert bool((blob.w == loaded.step).all()) and bool((blob.b == loaded.step).all()), "torn state"
     return loaded.step, loaded.skipped
+
+
+def leftovers(root: str) -> tuple[bool, bool]:
+    """(objects no manifest names, incomplete uploads) below an object-store root."""
+    from flexrun.train.commit_object import open_commit
+    from flexrun.train.storage_options import storage_options_from_env
+
+    proto = open_commit(root, storage_options=storage_options_from_env())
+    store = proto.store  # type: ignore[attr-defined]
+    named = set()
+    for step in proto.steps():
+        m = proto.read_manifest(step)
+        named |= {f"step_{step}/{m.data_dir}/{n}" for n in m.files}
+    keys = [k for k in store.listing(proto.root) if k.startswith("step_") and "/manifest.json" not in k]
+    return any(k not in named for k in keys), bool(store.incomplete_uploads(proto.root))
+
+
+def in_child(target: object, *args: object) -> object:
+    """Run ``target`` in a forked child (the parent never opens the object store, so
+    every child starts with fresh connections); its JSON-able result comes back."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            out = json.dumps({"ok": target(*args)})  # type: ignore[operator]
+        except BaseException as exc:
+            out = json.dumps({"error": repr(exc)})
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        data = json.loads(fh.read() or '{"error": "no result"}')
+    os.waitpid(pid, 0)
+    if "error" in data:
+        raise RuntimeError(data["error"])
+    return data["ok"]
 
 
 def fork(target: object, *args: object) -> int:
@@ -125,6 +171,26 @@ def main() -> None:
                     "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
                     "step": step,
                     "skipped": list(skipped),
+                }
+            )
+    elif "://" in root:
+        n, rng = int(sys.argv[3]), random.Random(int(sys.argv[4]))
+        lo, hi = (float(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 6 else (0.3, 1.2)
+        for _ in range(n):
+            pid = fork(writer_loop, root)
+            delay = rng.uniform(lo, hi)
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            orphans, uploads = in_child(leftovers, root)  # type: ignore[misc]
+            step, skipped = in_child(verify, root)  # type: ignore[misc]
+            results.append(
+                {
+                    "delay": round(delay, 3),
+                    "step": step,
+                    "skipped": list(skipped),
+                    "mid_save": bool(orphans or uploads),
+                    "incomplete_upload": bool(uploads),
                 }
             )
     else:

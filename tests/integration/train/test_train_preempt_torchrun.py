@@ -85,7 +85,8 @@ def test_flexrun_env_sends_events_to_the_run_dir_and_an_older_round_is_fenced(
     for e in saved:
         assert (e["run_id"], e["node"], e["round"]) == ("job7", "n1", 3)
         assert e["bytes"] > 0 and e["stall_s"] >= 0 and e["persist_s"] >= 0
-    assert json.loads((ck / "fence.json").read_text()) == {"round": 3}
+    fence = json.loads((ck / "fence.json").read_text())
+    assert (fence["round"], fence["generation"], fence["run"]) == (3, 3, "job7")
 
     straggler = launcher.start(1, [*args, "--steps", "20"], env={**env, "FLEXRUN_ROUND": "2"})
     assert straggler.wait(120) == [1]

@@ -44,13 +44,15 @@ def test_render_to_file_then_validate_it(
     assert args.func(args) == 0
     assert [d["kind"] for d in yaml.safe_load_all(out.read_text())] == [
         "PersistentVolumeClaim",
+        "Secret",
         "Deployment",
         "Service",
+        "NetworkPolicy",
         "PyTorchJob",
     ]
     args = _parse(["k8s", "validate", str(out)])
     assert args.func(args) == 0
-    assert "4 object(s) valid" in capsys.readouterr().out
+    assert "6 object(s) valid" in capsys.readouterr().out
 
 
 def test_render_bad_spec_raises_spec_error_naming_the_field(tmp_path: Path) -> None:

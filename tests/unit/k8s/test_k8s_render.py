@@ -50,7 +50,11 @@ def test_tcp_store_is_a_flexrun_store_deployment_and_service() -> None:
     (svc,) = kinds["Service"]
     (job,) = kinds["PyTorchJob"]
     container = deploy["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["flexrun", "store", "--host", "0.0.0.0", "--port", "29400"]
+    # It listens on its pod IP (the Service's endpoint), not every interface.
+    assert container["command"] == ["flexrun", "store", "--host", "$(POD_IP)", "--port", "29400"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
+        container["env"]
+    )
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
     assert svc["spec"]["selector"] == deploy["spec"]["template"]["metadata"]["labels"]
     elastic = job["spec"]["elasticPolicy"]
@@ -71,11 +75,17 @@ def test_etcd_store_is_three_members_spread_over_hosts_and_workers_use_etcd_v3()
     assert term["topologyKey"] == "kubernetes.io/hostname"
     cmd = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["command"])
     for i in range(3):
-        assert f"llm-etcd-etcd-{i}=http://llm-etcd-etcd-{i}.llm-etcd-etcd-peers:2380" in cmd
+        assert f"llm-etcd-etcd-{i}=https://llm-etcd-etcd-{i}.llm-etcd-etcd-peers:2380" in cmd
     elastic = job["spec"]["elasticPolicy"]
     assert elastic["rdzvBackend"] == "etcd-v3"
     assert elastic["rdzvHost"] in services and elastic["rdzvPort"] == 2379
-    assert elastic["rdzvConf"] == [{"key": "join_timeout", "value": "900"}]
+    tls = "/var/run/flexrun/etcd"
+    assert elastic["rdzvConf"] == [
+        {"key": "join_timeout", "value": "900"},
+        {"key": "cacert", "value": f"{tls}/ca.crt"},
+        {"key": "cert", "value": f"{tls}/tls.crt"},
+        {"key": "key", "value": f"{tls}/tls.key"},
+    ]
     assert elastic["metrics"][0]["type"] == "Resource"
     assert job["spec"]["runPolicy"]["backoffLimit"] == 50
 

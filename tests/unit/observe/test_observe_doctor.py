@@ -10,7 +10,9 @@ from flexrun.testing import FakeClock, MemoryStore
 
 
 def r(node: str, compute_s: float, gbps: float) -> NodeResult:
-    return NodeResult(node_id=node, rank=0, host="h", devices={"cpu": compute_s}, pair_gbps={"x": gbps})
+    return NodeResult(
+        node_id=node, rank=0, host="h", devices={"cpu": compute_s}, pair_gbps={"x": gbps}
+    )
 
 
 @pytest.mark.timeout(10)
@@ -33,7 +35,10 @@ def test_two_nodes_compare_with_each_other_and_one_node_is_never_flagged() -> No
 def test_nodes_meet_in_a_roster_fixed_once_in_sorted_order() -> None:
     store, keys, clock = MemoryStore(), _Keys("job", "s"), FakeClock()
     store.put(keys.nodes + "b", b"1")
-    assert meet(store, keys, "a", 2, timeout_s=5, sleep=clock.sleep, monotonic=clock.monotonic) == ["a", "b"]
+    assert meet(store, keys, "a", 2, timeout_s=5, sleep=clock.sleep, monotonic=clock.monotonic) == [
+        "a",
+        "b",
+    ]
     with pytest.raises(ConfigError, match="without c"):
         meet(store, keys, "c", 2, timeout_s=5, sleep=clock.sleep, monotonic=clock.monotonic)
     with pytest.raises(RendezvousTimeout, match="1 of 3"):

@@ -59,12 +59,29 @@ def test_the_sampler_emits_resources_events_and_stops() -> None:
 @pytest.mark.timeout(30)
 def test_summary_gives_per_node_cpu_memory_network_and_gpu_figures() -> None:
     def r(node: str, cpu: float, mem: int, rx: int, gpu_util: float) -> dict:
-        return {"event": "resources", "node": node, "cpu_ratio": cpu, "mem_used_bytes": mem,
-                "mem_total_bytes": 100, "net_rx_bytes": rx, "net_tx_bytes": rx // 2,
-                "gpus": [{"index": 0, "util_ratio": gpu_util, "mem_used_bytes": 5, "temp_c": 60 + gpu_util}]}
+        return {
+            "event": "resources",
+            "node": node,
+            "cpu_ratio": cpu,
+            "mem_used_bytes": mem,
+            "mem_total_bytes": 100,
+            "net_rx_bytes": rx,
+            "net_tx_bytes": rx // 2,
+            "gpus": [
+                {"index": 0, "util_ratio": gpu_util, "mem_used_bytes": 5, "temp_c": 60 + gpu_util}
+            ],
+        }
 
-    s = summarize_resources([r("a", 0.2, 10, 1000, 0.5), r("a", 0.6, 30, 3000, 0.9), {"event": "x"}])
+    s = summarize_resources(
+        [r("a", 0.2, 10, 1000, 0.5), r("a", 0.6, 30, 3000, 0.9), {"event": "x"}]
+    )
     a = s["a"]
-    assert a["samples"] == 2 and a["cpu_mean_ratio"] == pytest.approx(0.4) and a["cpu_max_ratio"] == 0.6
+    assert (
+        a["samples"] == 2
+        and a["cpu_mean_ratio"] == pytest.approx(0.4)
+        and a["cpu_max_ratio"] == 0.6
+    )
     assert a["mem_max_bytes"] == 30 and a["net_rx_bytes"] == 2000 and a["net_tx_bytes"] == 1000
-    assert a["gpus"][0]["util_mean_ratio"] == pytest.approx(0.7) and a["gpus"][0]["temp_max_c"] == pytest.approx(60.9)
+    assert a["gpus"][0]["util_mean_ratio"] == pytest.approx(0.7) and a["gpus"][0][
+        "temp_max_c"
+    ] == pytest.approx(60.9)

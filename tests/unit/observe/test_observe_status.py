@@ -30,8 +30,11 @@ class BeatingClock(FakeClock):
 
 def _job(store: MemoryStore, keys: Keys) -> None:
     rnd = RoundRecord(
-        number=3, state="running", reason="scale_up",
-        members=(Member("a", "10.0.0.1", 2), Member("b", "10.0.0.2", 4)), restarts=1,
+        number=3,
+        state="running",
+        reason="scale_up",
+        members=(Member("a", "10.0.0.1", 2), Member("b", "10.0.0.2", 4)),
+        restarts=1,
     )
     store.put(keys.round, rnd.encode())
     for node, addr, nproc in (("a", "10.0.0.1", 2), ("b", "10.0.0.2", 4), ("c", "10.0.0.3", 1)):
@@ -47,16 +50,29 @@ def test_status_lists_members_with_ranks_and_heartbeats_and_the_waiting_node() -
     _job(store, keys)
     clock = BeatingClock(store, keys)
     st = read_status(store, "job", observe_s=1.2, clock=clock)
-    assert (st.round, st.state, st.reason, st.world_size, st.restarts) == (3, "running", "scale_up", 6, 1)
+    assert (st.round, st.state, st.reason, st.world_size, st.restarts) == (
+        3,
+        "running",
+        "scale_up",
+        6,
+        1,
+    )
     assert st.master == "10.0.0.1:29500"
     a, b = st.members
     assert (a.node_id, a.group_rank, a.ranks, a.addr) == ("a", 0, (0, 1), "10.0.0.1")
     assert (b.node_id, b.group_rank, b.ranks) == ("b", 1, (2, 5))
-    assert a.heartbeat and a.heartbeat_exact and a.heartbeat_age_s is not None and a.heartbeat_age_s < 0.6
+    assert (
+        a.heartbeat
+        and a.heartbeat_exact
+        and a.heartbeat_age_s is not None
+        and a.heartbeat_age_s < 0.6
+    )
     assert not b.heartbeat and b.heartbeat_age_s is None
     (c,) = st.waiting
     assert c.node_id == "c" and c.ranks is None and c.heartbeat and not c.heartbeat_exact
-    assert c.heartbeat_age_s == pytest.approx(1.2, abs=0.11)  # a lower bound: unchanged in the window
+    assert c.heartbeat_age_s == pytest.approx(
+        1.2, abs=0.11
+    )  # a lower bound: unchanged in the window
     d = json.loads(status_json(st))
     assert [m["node_id"] for m in d["members"]] == ["a", "b"] and d["members"][1]["ranks"] == [2, 5]
 

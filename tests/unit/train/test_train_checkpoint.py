@@ -15,7 +15,8 @@ import torch
 from flexrun.errors import CheckpointError
 from flexrun.events import EventLog, read_events
 from flexrun.train import Checkpointer, FencedError
-from flexrun.train.commit import COMMIT_STAGES, select_retained
+from flexrun.train.commit import COMMIT_STAGES, RenameCommit, select_retained
+from flexrun.train.commit_object import ObjectCommit
 from flexrun.train.context import single_process_context
 from flexrun.train.storage import LocalStorage
 
@@ -32,6 +33,20 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _ckpt(directory: str, run_dir: Path | None = None, round: int = 0, **kw: Any) -> Checkpointer:
     ctx = single_process_context(run_dir=str(run_dir) if run_dir else None, round=round)
     return Checkpointer(directory, ctx=ctx, **kw)
+
+
+def flip_a_byte(c: Checkpointer, step: int, name: str) -> None:
+    """Corrupt one data file of a committed checkpoint in place, on any storage."""
+    proto = c._proto
+    manifest = proto.read_manifest(step)
+    blob = bytearray(b"".join(proto.read_chunks(step, manifest, name)))
+    blob[len(blob) // 2] ^= 0x01
+    if isinstance(proto, RenameCommit):
+        Path(proto.path(f"step_{step}", name)).write_bytes(bytes(blob))
+    else:
+        assert isinstance(proto, ObjectCommit)
+        key = proto.store.join(proto.root, f"step_{step}", manifest.data_dir, name)
+        proto.store.put(key, bytes(blob))
 
 
 def _train_step(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
@@ -94,11 +109,7 @@ def test_flipped_byte_falls_back_to_previous_and_logs_why(tmp_path: Path, where:
     _train_step(m, o)
     c.save(2)
     c.wait()
-    storage = c._storage
-    path = storage.join(c.directory, "step_2", "model.pt")
-    blob = bytearray(storage.read_bytes(path))
-    blob[len(blob) // 2] ^= 0x01
-    storage.write_file(path, lambda f: f.write(bytes(blob)))
+    flip_a_byte(c, 2, "model.pt")
     loaded = c.load()
     assert loaded is not None and loaded.step == 1 and loaded.skipped == (2,)
     assert torch.equal(m.weight, good)

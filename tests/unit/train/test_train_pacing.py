@@ -147,7 +147,7 @@ def _save_once(tmp_path: Path, clock: FakeClock, **kw: Any) -> Checkpointer:
     )
     c.register("big", _Big())
     c.save(1)
-    thread = c._thread
+    thread = c._p._thread
     assert thread is not None
     thread.join(timeout=60)  # let it finish paced (wait() would hurry it)
     assert not thread.is_alive()
@@ -158,7 +158,7 @@ def test_checkpointer_paces_by_default_and_the_checkpoint_loads(tmp_path: Path) 
     assert DEFAULT_PERSIST_CPU_SHARE == 0.1
     clock = FakeClock()
     c = _save_once(tmp_path, clock)
-    pacer = c._pacer
+    pacer = c._p._pacer
     assert pacer is not None and pacer.rested_s > 0  # hashing 12 MB took some CPU
     c.wait()
     big = _Big()
@@ -172,7 +172,7 @@ def test_checkpointer_unpaced_when_share_is_none(tmp_path: Path) -> None:
     clock = FakeClock()
     t0 = clock.monotonic()
     c = _save_once(tmp_path, clock, persist_cpu_share=None)
-    assert c._pacer is None and clock.monotonic() == t0
+    assert c._p._pacer is None and clock.monotonic() == t0
     c.wait()
 
 

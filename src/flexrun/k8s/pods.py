@@ -1,0 +1,179 @@
+"""The worker pod: what every flexrun agent pod looks like, whichever operator creates it.
+
+Owns the worker container (image, the ``flexrun run`` flags render always passes, its
+environment, mounts and ports) and the pod around it (grace period, spot placement,
+volumes, security context), shared by the PyTorchJob (``render.py``) and the TrainJob
+runtime (``trainjob.py``). The targets differ only in the container's name, in which
+launcher flags come from the operator's ``PET_*`` variables, and in the pod's restart
+policy; those are arguments here.
+
+The contract a rendered pod relies on (the README lists it too):
+
+- ``flexrun run ... --local-addr $(POD_IP) --stop-grace <grace - 10>``, plus
+  ``--metrics-port P --metrics-host 0.0.0.0`` only when ``spec.metrics.port`` is set;
+- env ``POD_IP`` (downward API), ``FLEXRUN_JOB_SECRET_FILE=/var/run/flexrun/secret/secret``,
+  ``FLEXRUN_CHECKPOINT_DIR`` (with a checkpoint volume) and the spec's ``env``;
+- mounts: the job Secret at ``/var/run/flexrun/secret`` and (etcd) the etcd Secret at
+  ``/var/run/flexrun/etcd``, read-only, mode 0440, group = the pod's ``fsGroup`` (so a
+  non-root user can read them); the checkpoint PVC; ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, labels
+from flexrun.k8s.spec import JobSpec
+from flexrun.k8s.spec_types import (
+    ETCD_SECRET_DIR,
+    JOB_SECRET_DIR,
+    JOB_SECRET_FILE,
+    JOB_SECRET_KEY,
+)
+
+#: Seconds of the pod's grace period kept back for the agent itself to exit after workers.
+AGENT_EXIT_MARGIN_S = 10
+#: The pod's fsGroup: the Dockerfile's user id. Kubernetes adds it to the container's
+#: groups and makes it the group of the Secret files (mode 0440), whatever user runs.
+POD_FS_GROUP = 10001
+
+
+def stop_grace_s(spec: JobSpec) -> int:
+    """The agent's ``--stop-grace``: SIGTERM to SIGKILL for workers, inside the pod's grace."""
+    return spec.grace_period_s - AGENT_EXIT_MARGIN_S
+
+
+def pod_flags(spec: JobSpec) -> list[str]:
+    """Flags no operator injects: this pod's address (the launcher's default, 127.0.0.1, is
+    unreachable from other pods), a worker stop grace that fits inside the pod's, so a final
+    checkpoint is not cut short by the agent's own SIGKILL, and the metrics endpoint."""
+    flags = ["--local-addr", "$(POD_IP)", "--stop-grace", str(stop_grace_s(spec))]
+    if spec.metrics_port is not None:
+        flags += ["--metrics-port", str(spec.metrics_port), "--metrics-host", "0.0.0.0"]
+    return flags
+
+
+def entrypoint(spec: JobSpec) -> list[str]:
+    """The script (or ``-m module``) and its arguments: the end of ``flexrun run``'s argv."""
+    head = ["-m", spec.module] if spec.module is not None else [str(spec.script)]
+    return [*head, *spec.args]
+
+
+def resources(spec: JobSpec) -> dict[str, Any]:
+    """Container resources: ``{requests, limits}``, empty parts dropped."""
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if spec.resources.cpu is not None:
+        requests["cpu"] = spec.resources.cpu
+    if spec.resources.memory is not None:
+        requests["memory"] = limits["memory"] = spec.resources.memory
+    if spec.resources.gpu:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.resources.gpu
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def worker_container(
+    spec: JobSpec,
+    *,
+    name: str,
+    command: list[str],
+    args: list[str] | None,
+    with_resources: bool = True,
+) -> dict[str, Any]:
+    """The agent container; ``args`` None leaves them to the operator (a TrainJob's)."""
+    env: list[dict[str, Any]] = [POD_IP_ENV]
+    env += [{"name": k, "value": v} for k, v in spec.env]
+    env.append({"name": "FLEXRUN_JOB_SECRET_FILE", "value": JOB_SECRET_FILE})
+    if spec.checkpoint is not None:
+        env.append({"name": "FLEXRUN_CHECKPOINT_DIR", "value": spec.checkpoint.mount_path})
+    container: dict[str, Any] = {"name": name, "image": spec.image, "command": command}
+    if args is not None:
+        container["args"] = args
+    container["env"] = env
+    if with_resources and (res := resources(spec)):
+        container["resources"] = res
+    if spec.metrics_port is not None:
+        container["ports"] = [{"name": "metrics", "containerPort": spec.metrics_port}]
+    mounts: list[dict[str, Any]] = []
+    if spec.checkpoint is not None:
+        mounts.append({"name": "checkpoints", "mountPath": spec.checkpoint.mount_path})
+    if spec.shm_size is not None:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    mounts.append({"name": "job-secret", "mountPath": JOB_SECRET_DIR, "readOnly": True})
+    if spec.store.type == "etcd":
+        mounts.append({"name": "etcd-tls", "mountPath": ETCD_SECRET_DIR, "readOnly": True})
+    container["volumeMounts"] = mounts
+    return container
+
+
+def _tolerations(spec: JobSpec) -> list[dict[str, Any]]:
+    return [
+        {
+            k: v
+            for k, v in (
+                ("key", t.key),
+                ("operator", t.operator),
+                ("value", t.value),
+                ("effect", t.effect),
+                ("tolerationSeconds", t.toleration_seconds),
+            )
+            if v is not None
+        }
+        for t in spec.spot.tolerations
+    ]
+
+
+def _volumes(spec: JobSpec) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = []
+    if spec.checkpoint is not None:
+        claim = spec.checkpoint.existing_claim or f"{spec.name}-checkpoints"
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}})
+    if spec.shm_size is not None:
+        volumes.append(
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
+        )
+    volumes.append(
+        {
+            "name": "job-secret",
+            "secret": {
+                "secretName": spec.job_secret_name,
+                # An explicit item: a pod whose Secret lacks the key does not start.
+                "items": [{"key": JOB_SECRET_KEY, "path": JOB_SECRET_KEY}],
+                "defaultMode": 0o440,
+            },
+        }
+    )
+    if spec.store.type == "etcd":
+        volumes.append(etcd_secret_volume(spec))
+    return volumes
+
+
+def worker_pod_spec(
+    spec: JobSpec, container: dict[str, Any], *, restart_policy: str | None = None
+) -> dict[str, Any]:
+    """The pod around the agent container: grace, placement, volumes, security context."""
+    pod: dict[str, Any] = {}
+    if restart_policy is not None:
+        pod["restartPolicy"] = restart_policy
+    pod["terminationGracePeriodSeconds"] = spec.grace_period_s
+    # fsGroup makes the Secret files readable by any user the image runs as; the policy
+    # avoids a recursive chown of a large checkpoint volume at every start.
+    pod["securityContext"] = {"fsGroup": POD_FS_GROUP, "fsGroupChangePolicy": "OnRootMismatch"}
+    pod["containers"] = [container]
+    if spec.spot.node_selector:
+        pod["nodeSelector"] = dict(spec.spot.node_selector)
+    if spec.spot.tolerations:
+        pod["tolerations"] = _tolerations(spec)
+    pod["volumes"] = _volumes(spec)
+    return pod
+
+
+def worker_pod_metadata(spec: JobSpec) -> dict[str, Any]:
+    """The worker pods' labels (NetworkPolicies select them) and scrape annotations."""
+    out: dict[str, Any] = {"labels": labels(spec, "worker")}
+    if spec.metrics_port is not None:
+        out["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(spec.metrics_port),
+        }
+    return out

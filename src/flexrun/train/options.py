@@ -1,0 +1,109 @@
+"""The Checkpointer's knobs as one frozen, validated record.
+
+Owns :class:`CheckpointOptions` (what to keep, how a background persist may use the
+machine, when failed saves end the run) and its validation. Live objects (the training
+context, an event log, a storage, a clock) stay constructor arguments of the
+Checkpointer; this record is plain data that can be built once, compared and logged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from flexrun.errors import CheckpointError
+
+DEFAULT_PERSIST_CPU_SHARE = 0.1
+"""Default share of one core a background persist may use (see ``persist_cpu_share``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointOptions:
+    """How a :class:`~flexrun.train.Checkpointer` saves, keeps and reports checkpoints."""
+
+    keep_last: int = 3
+    """How many newest checkpoints that verify retention keeps (>= 1). A checkpoint that
+    fails verification is not counted, so it never displaces a good one."""
+
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (not verified at each
+    save, not counted in ``keep_last``)."""
+
+    async_save: bool = True
+    """Persist on a background thread; the loop blocks only for the host copy."""
+
+    defer_copy: bool = True
+    """With ``async_save``, copy parameters and optimizer state of registered optimizers
+    on the background thread too, and hold the next ``optimizer.step()`` (a step
+    pre-hook) until that copy is done, so ``save()`` returns in milliseconds. Requires
+    that those tensors change only inside ``optimizer.step()``; pass ``False`` if the
+    script mutates parameters elsewhere."""
+
+    persist_cpu_share: float | None = DEFAULT_PERSIST_CPU_SHARE
+    """Pace the background persist (serializing, hashing, writing or uploading) to about
+    this share of one CPU core: after each 4 MiB piece it rests for the CPU time the
+    piece took times ``1/share - 1``. 0.1 kept training steps within the 10% target on a
+    2-core machine whose cores training kept busy (bench/results/checkpoint.txt); a
+    persist then takes roughly ten times its CPU time. ``wait()``, ``close()``, ``load()``
+    and the next ``save()`` end the pacing. ``None`` (or 1.0): unpaced."""
+
+    persist_max_bytes_s: float | None = None
+    """Also cap the background persist's average write rate (bytes/s; None: no cap)."""
+
+    persist_when_idle: bool = True
+    """Run the background persist under ``SCHED_IDLE`` (Linux): it takes only CPU time
+    that training leaves unused; if training never idles, the next ``save()`` waits for
+    it (a visible stall, never a hang)."""
+
+    save_rng: bool = True
+    """Save and restore per-rank RNG states of torch/CUDA/numpy/Python."""
+
+    max_failed_saves: int = 3
+    """A save the storage refuses (``ENOSPC``, ``EDQUOT``, ``EIO``, ``EROFS``, an object
+    store that cannot be reached or fails) leaves nothing behind, keeps the previous
+    checkpoints, emits ``checkpoint_save_failed`` and lets training go on. When this many
+    saves in a row have failed, and the first is at least ``failed_saves_grace_s`` old,
+    the last failure raises on every rank. 1 (with a grace of 0): every failed save
+    raises."""
+
+    failed_saves_grace_s: float = 60.0
+    """The shortest run of failed saves that raises (0: count only). A restart frees no
+    disk space and throws away the steps since the last checkpoint, so a disk full for a
+    few seconds must not end a run just because checkpoints are frequent."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise CheckpointError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise CheckpointError(f"keep_every must be >= 1 or None, got {self.keep_every}")
+        if self.max_failed_saves < 1:
+            raise CheckpointError(f"max_failed_saves must be >= 1, got {self.max_failed_saves}")
+        if not math.isfinite(self.failed_saves_grace_s) or self.failed_saves_grace_s < 0:
+            raise CheckpointError(
+                f"failed_saves_grace_s must be >= 0, got {self.failed_saves_grace_s}"
+            )
+        share = self.persist_cpu_share
+        if share is not None and not (math.isfinite(share) and 0 < share <= 1):
+            raise CheckpointError("persist_cpu_share must be in (0, 1] or None")
+        rate = self.persist_max_bytes_s
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise CheckpointError("persist_max_bytes_s must be > 0 or None")
+
+    @classmethod
+    def build(
+        cls, base: CheckpointOptions | None, overrides: dict[str, object]
+    ) -> CheckpointOptions:
+        """``base`` (or the defaults) with ``overrides`` (the Checkpointer's old loose
+        keyword arguments) applied.
+
+        Raises:
+            TypeError: an override is not an option (as for an unknown keyword argument).
+            CheckpointError: a value is out of range.
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}")
+        values = {n: getattr(base, n) for n in names} if base is not None else {}
+        values.update(overrides)
+        return cls(**values)

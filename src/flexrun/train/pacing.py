@@ -1,0 +1,172 @@
+"""Byte pipes of a checkpoint persist: hashing, rate caps and CPU pacing.
+
+Owns the file-object wrappers a persist writes through: :class:`HashingWriter` (sha256
+and size of what passes), :class:`ThrottledWriter` (an average byte-rate cap),
+:class:`CpuPacer` and :class:`PacedWriter` (a background persist kept near a share of one
+core) and :class:`PieceWriter` (large writes cut into bounded pieces, so that a buffered
+upload never holds a second copy of a whole tensor). It does not know where bytes go
+(``flexrun.train.storage``, ``flexrun.train.objstore``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+from flexrun._clock import Clock
+from flexrun.errors import CheckpointError
+
+
+class HashingWriter:
+    """A write-only file object that hashes and counts what passes through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+        """The first I/O error, kept because serializers (torch's zip writer) may rewrap it."""
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        n = len(view) if written is None else written
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class ThrottledWriter:
+    """Caps the average write rate (bytes/s) in 4 MiB pieces, so a background persist
+    takes a bounded share of CPU and memory bandwidth from training."""
+
+    _PIECE = 4 << 20
+
+    def __init__(self, raw: Any, rate: float, clock: Clock) -> None:
+        self._raw, self._rate, self._clock = raw, rate, clock
+        self._start = clock.monotonic()
+        self._sent = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self._PIECE):
+            piece = view[i : i + self._PIECE]
+            self._raw.write(piece)
+            self._sent += len(piece)
+            ahead = self._sent / self._rate - (self._clock.monotonic() - self._start)
+            if ahead > 0:
+                self._clock.sleep(ahead)
+        return len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class CpuPacer:
+    """Keeps a background thread's CPU use near a share of one core: after each piece of
+    work it rests for the CPU time the piece took times ``1/share - 1``.
+
+    The measure is the calling thread's own CPU time, so time the thread spends waiting
+    for a core (training has it) does not lengthen the rests, and nothing accumulates as
+    credit for a later burst. :meth:`hurry` ends the pacing (a caller waits for the
+    result); a rest in progress ends within ``_SLICE_S``.
+
+    Call :meth:`start` and :meth:`pace` from the paced thread.
+    """
+
+    _SLICE_S = 0.05
+    _MAX_REST_S = 1.0
+    """One piece never earns a longer rest (a piece that took that long was preempted)."""
+
+    def __init__(
+        self,
+        share: float,
+        clock: Clock,
+        *,
+        cpu_time: Callable[[], float] = time.thread_time,
+    ) -> None:
+        """
+        Args:
+            share: CPU share of one core, ``0 < share <= 1`` (1: never rests).
+            clock: what the rests sleep on.
+            cpu_time: the calling thread's CPU seconds (injected by tests).
+
+        Raises:
+            CheckpointError: ``share`` out of range.
+        """
+        if not 0 < share <= 1:
+            raise CheckpointError(f"persist CPU share must be in (0, 1], got {share}")
+        self._factor = 1.0 / share - 1.0
+        self._clock = clock
+        self._cpu_time = cpu_time
+        self._hurry = threading.Event()
+        self._mark: float | None = None
+        self.rested_s = 0.0
+        """Total rest so far (seconds on ``clock``)."""
+
+    def start(self) -> None:
+        self._mark = self._cpu_time()
+
+    def pace(self) -> None:
+        """Rest in proportion to the CPU time used since :meth:`start` or the last call."""
+        now = self._cpu_time()
+        spent = now - (now if self._mark is None else self._mark)
+        rest = min(spent * self._factor, self._MAX_REST_S)
+        end = self._clock.monotonic() + rest
+        for _ in range(int(rest / self._SLICE_S) + 2):  # bounded; a slice each
+            left = end - self._clock.monotonic()
+            if left <= 0 or self._hurry.is_set():
+                break
+            self._clock.sleep(min(left, self._SLICE_S))
+            self.rested_s += min(left, self._SLICE_S)
+        self._mark = self._cpu_time()  # the rest's own CPU is not work
+
+    def hurry(self) -> None:
+        """Stop resting from now on (thread-safe)."""
+        self._hurry.set()
+
+
+class PacedWriter:
+    """Writes in pieces through a :class:`CpuPacer`, so hashing and writing each piece
+    (the CPU cost of a persist) is spread out instead of taken in one burst."""
+
+    _PIECE = 4 << 20
+
+    def __init__(self, raw: Any, pacer: CpuPacer) -> None:
+        self._raw, self._pacer = raw, pacer
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self._PIECE):
+            self._raw.write(view[i : i + self._PIECE])
+            self._pacer.pace()
+        return len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class PieceWriter:
+    """Passes writes on in pieces of at most ``piece`` bytes (a view, never a copy)."""
+
+    def __init__(self, raw: Any, piece: int = 4 << 20) -> None:
+        self._raw, self._piece = raw, piece
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self._piece):
+            self._raw.write(view[i : i + self._piece])
+        return len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()

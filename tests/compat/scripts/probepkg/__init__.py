@@ -1,0 +1,1 @@
+"""A package for the module-mode cases (``-m probepkg.main``)."""

@@ -1,0 +1,33 @@
+"""The README's "Differences from torchrun" table is the suite's list of allowed differences."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from allowed import ALLOWED
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+START, END = "<!-- compat-differences:start -->", "<!-- compat-differences:end -->"
+
+
+def _table() -> dict[str, str]:
+    text = README.read_text()
+    assert START in text and END in text, "README lacks the compat-differences table"
+    body = text[text.index(START) + len(START) : text.index(END)]
+    rows = {}
+    for line in body.splitlines():
+        m = re.fullmatch(r"\|\s*`([a-z0-9-]+)`\s*\|(.*)\|\s*", line.strip())
+        if m:
+            rows[m.group(1)] = " ".join(m.group(2).split())
+    return rows
+
+
+def test_the_readme_lists_exactly_the_allowed_differences() -> None:
+    assert set(_table()) == set(ALLOWED)
+
+
+def test_the_readme_gives_each_difference_its_reason() -> None:
+    table = _table()
+    for key, reason in ALLOWED.items():
+        assert table[key] == " ".join(reason.split()), key
