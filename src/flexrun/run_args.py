@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flexrun.config import DEFAULT_SIGNALS, START_METHODS
+from flexrun.config.numa import MODES as NUMA_MODES
+from flexrun.config.parsing import env_flag, pet_name
 from flexrun.errors import ConfigError
-from flexrun.numa import MODES as NUMA_MODES
-from flexrun.parsing import env_flag, pet_name
 
 SIGNALS_DEFAULT = ",".join(DEFAULT_SIGNALS)
 

@@ -8,14 +8,14 @@ import pytest
 
 from flexrun.agent.spec import worker_envs
 from flexrun.config import RunConfig
-from flexrun.errors import ConfigError
-from flexrun.netaddr import (
+from flexrun.config.netaddr import (
     choose_advertised,
     interface_of,
     is_loopback_literal,
     route_source,
     single_host_addr,
 )
+from flexrun.errors import ConfigError
 from flexrun.rendezvous.state import MasterRecord, Member, RoundRecord
 
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth7": ["10.1.2.3"], "ib0": ["10.9.0.3"]}
@@ -123,7 +123,7 @@ def test_numa_cpu_sets_come_from_torchs_choice_per_local_rank(
     import torch
     from torch.numa import binding
 
-    from flexrun import numa
+    from flexrun.config import numa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed.run as torchrun
 
 from flexrun.cli import build_parser
+from flexrun.config.numa import MODES
 from flexrun.errors import ConfigError
-from flexrun.numa import MODES
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 # flexrun's options are torch 2.13's (and 2.15's additions); an older torch's parser differs

@@ -126,7 +126,11 @@ def launch(config: RunConfig) -> int:
             # Fed from the node's event log, so worker events (checkpoints, throughput)
             # reach the metrics without another channel.
             metrics, follower = serve_run_metrics(
-                config.run_dir, config.metrics_port, node=config.node_id, run_id=config.run_id
+                config.run_dir,
+                config.metrics_port,
+                node=config.node_id,
+                run_id=config.run_id,
+                host=config.metrics_host,
             )
         if config.resource_interval_s > 0:
             from flexrun.observe.resources import ResourceSampler

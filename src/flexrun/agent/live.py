@@ -167,6 +167,7 @@ class LiveRunner:
             run_dir=c.run_dir,
             restart_count=0,
             max_restarts=c.rendezvous.max_restarts,
+            settings=c,
         )[slot]
         # Live workers form their own groups per epoch: no default process group address.
         # Their bounded store waits time out routinely; c10d would warn about each one.

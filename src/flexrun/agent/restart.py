@@ -97,6 +97,7 @@ class RestartRunner:
             run_dir=c.run_dir,
             restart_count=self.runs,
             max_restarts=c.rendezvous.max_restarts,
+            settings=c,
         )
         log_dir = (c.log_dir or (c.run_dir / "logs")) / f"round_{rnd.number}"
         self._cold_workers = 0

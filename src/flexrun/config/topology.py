@@ -15,7 +15,7 @@ flexrun's documented precedence (INTERFACES.md section 4):
   torchrun's ``localhost:29400``; ``etcd`` without one: ``localhost:2379``.
 - Port 0 (``localhost:0``): a free port on this host, which must host the store.
 
-Pure apart from :func:`flexrun.netaddr.is_this_host` (name resolution).
+Pure apart from :func:`flexrun.config.netaddr.is_this_host` (name resolution).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from flexrun.config.netaddr import is_loopback_literal, is_this_host
+from flexrun.config.parsing import parse_endpoint
 from flexrun.errors import ConfigError
-from flexrun.netaddr import is_loopback_literal, is_this_host
-from flexrun.parsing import parse_endpoint
 
 log = logging.getLogger("flexrun.config")
 

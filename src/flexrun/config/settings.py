@@ -4,9 +4,9 @@ Owns what a validated ``flexrun run`` is (:class:`RunConfig` and its parts) and 
 built from parsed flags, ``PET_*`` variables and ``--rdzv-conf``, with precedence CLI >
 environment (``PET_*``) > default, as torchrun. Library code receives these objects and
 never reads the environment itself. It does not act on them. The value parsers live in
-:mod:`flexrun.parsing`, the ``--rdzv-conf`` keys in :mod:`flexrun.rdzv_conf`, the
-address choice in :mod:`flexrun.netaddr`, the job's shape (local, dynamic, static) in
-:mod:`flexrun.topology`.
+:mod:`flexrun.config.parsing`, the ``--rdzv-conf`` keys in :mod:`flexrun.config.rdzv_conf`, the
+address choice in :mod:`flexrun.config.netaddr`, the job's shape (local, dynamic, static) in
+:mod:`flexrun.config.topology`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexrun.errors import ConfigError
-from flexrun.netaddr import is_this_host
-from flexrun.parsing import (
+from flexrun.config.netaddr import is_this_host
+from flexrun.config.parsing import (
     DEFAULT_STORE_PORT,
     STREAMS,
     env_default,
@@ -34,6 +33,7 @@ from flexrun.parsing import (
     parse_nproc,
     signal_numbers,
 )
+from flexrun.errors import ConfigError
 
 log = logging.getLogger("flexrun.config")
 
@@ -248,7 +248,7 @@ class RunConfig:
     near ``cuda:<local_rank>``); the agent binds worker i to ``numa_cpus[i]``."""
     logs_specs: str | None = None
     """``--logs-specs NAME``: a ``torchrun.logs_specs`` entry point (checked to load and to be
-    a LogsSpecs); the agent builds it (``flexrun.plugins.logs_specs_class``) with log_dir,
+    a LogsSpecs); the agent builds it (``flexrun.config.plugins.logs_specs_class``) with log_dir,
     redirects, tee and local_ranks_filter and takes each worker's file paths from its
     ``reify(envs)``."""
     event_log_handler: str = "null"
@@ -378,6 +378,6 @@ def process_environ() -> Mapping[str, str]:
 
 def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     """Build and validate a RunConfig from parsed ``flexrun run`` arguments."""
-    from flexrun.run_build import build_run_config
+    from flexrun.config.build import build_run_config
 
     return build_run_config(ns, environ)

@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from flexrun.config.parsing import parse_duration
 from flexrun.errors import ConfigError
-from flexrun.parsing import parse_duration
 
 FLEXRUN_KEYS = (
     "join_timeout",
@@ -103,7 +103,7 @@ def _dur(conf: Mapping[str, str], key: str, *, positive: bool = False) -> float 
 
 
 def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool) -> ParsedConf:
-    """Resolve ``conf`` (from :func:`flexrun.parsing.parse_kv`) for an etcd or tcp store.
+    """Resolve ``conf`` (from :func:`flexrun.config.parsing.parse_kv`) for an etcd or tcp store.
 
     Raises:
         ConfigError: a bad value (a non-finite or negative duration, a bad boolean,

@@ -3,8 +3,8 @@
 Owns the precedence rules that span several options (``--shutdown-timeout`` vs
 ``--stop-grace`` vs ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; ``--run-path`` over ``--module`` and
 ``--no-python``; which ``PET_*`` were given) and the assembly; every value's syntax is in
-:mod:`flexrun.parsing`, the job's shape in :mod:`flexrun.topology`, the address in
-:mod:`flexrun.netaddr`. The environment is the mapping the CLI captured
+:mod:`flexrun.config.parsing`, the job's shape in :mod:`flexrun.config.topology`, the address in
+:mod:`flexrun.config.netaddr`. The environment is the mapping the CLI captured
 (:func:`flexrun.config.process_environ`); nothing here reads ``os.environ``.
 """
 
@@ -18,8 +18,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flexrun import netaddr, numa, plugins
-from flexrun.config import (
+from flexrun.config import netaddr, numa, plugins
+from flexrun.config.parsing import (
+    STREAMS,
+    parse_duration,
+    parse_kv,
+    parse_nnodes,
+    parse_nproc,
+    parse_ranks_filter,
+    parse_signals,
+    parse_std,
+    pet_name,
+)
+from flexrun.config.rdzv_conf import parse_rdzv_conf
+from flexrun.config.settings import (
     BACKENDS,
     DEFAULT_SIGNALS,
     RendezvousSettings,
@@ -31,20 +43,8 @@ from flexrun.config import (
     default_node_id,
     resolve_mode,
 )
+from flexrun.config.topology import Given, Shape, shape_of
 from flexrun.errors import ConfigError
-from flexrun.parsing import (
-    STREAMS,
-    parse_duration,
-    parse_kv,
-    parse_nnodes,
-    parse_nproc,
-    parse_ranks_filter,
-    parse_signals,
-    parse_std,
-    pet_name,
-)
-from flexrun.rdzv_conf import parse_rdzv_conf
-from flexrun.topology import Given, Shape, shape_of
 
 log = logging.getLogger("flexrun.config")
 _STATIC_OPTIONS = ("node_rank", "master_addr", "master_port")

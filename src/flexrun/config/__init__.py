@@ -1,0 +1,61 @@
+"""Configuration: what a validated ``flexrun run`` is, and the one place that reads
+``os.environ`` in the launcher.
+
+Owns parsing and validating what users give flexrun (flags, ``PET_*`` variables,
+``--rdzv-conf``), with precedence CLI > environment (``PET_*``) > default, as torchrun, into
+frozen dataclasses that library code receives (it never reads the environment itself).
+Modules: :mod:`.settings` (the dataclasses), :mod:`.build` (flags -> RunConfig),
+:mod:`.parsing` (value syntax), :mod:`.rdzv_conf` (``--rdzv-conf`` keys), :mod:`.topology`
+(one host, elastic or static), :mod:`.netaddr` (the address peers reach), :mod:`.numa`,
+:mod:`.plugins` (torchrun's entry points). It does not act on the configuration.
+"""
+
+from flexrun.config.settings import (
+    BACKENDS,
+    BACKENDS_ETCD,
+    BACKENDS_TCP,
+    DEFAULT_SIGNALS,
+    DEFAULT_STORE_PORT,
+    START_METHODS,
+    RendezvousSettings,
+    RunConfig,
+    StaticJob,
+    StdStreams,
+    StoreSettings,
+    default_node_id,
+    env_default,
+    env_flag,
+    is_this_host,
+    parse_endpoint,
+    parse_kv,
+    parse_nnodes,
+    parse_nproc,
+    process_environ,
+    resolve_mode,
+    run_config_from_args,
+)
+
+__all__ = [
+    "BACKENDS",
+    "BACKENDS_ETCD",
+    "BACKENDS_TCP",
+    "DEFAULT_SIGNALS",
+    "DEFAULT_STORE_PORT",
+    "START_METHODS",
+    "RendezvousSettings",
+    "RunConfig",
+    "StaticJob",
+    "StdStreams",
+    "StoreSettings",
+    "default_node_id",
+    "env_default",
+    "env_flag",
+    "is_this_host",
+    "parse_endpoint",
+    "parse_kv",
+    "parse_nnodes",
+    "parse_nproc",
+    "process_environ",
+    "resolve_mode",
+    "run_config_from_args",
+]
