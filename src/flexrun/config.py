@@ -13,7 +13,7 @@ import shutil
 import socket
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flexrun.errors import ConfigError
@@ -177,12 +177,106 @@ class StoreSettings:
     """How long to keep trying to reach the store before exit 2."""
     conf: Mapping[str, str] = field(default_factory=dict)
     """Remaining --rdzv-conf options, passed to the backend (e.g. TLS for etcd)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The job secret that authenticates every record (see :func:`store_credentials`);
+    ``flexrun.store.factory.connect`` then returns a signing store."""
+    password: str | None = field(default=None, repr=False)
+    """The etcd user's password (``--rdzv-conf user=NAME``), never from the command line."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(
                 f"--rdzv-backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}"
             )
+
+
+# -- store credentials (issue 18): one isolated place --------------------------------------
+SECRET_ENV_FILE = "FLEXRUN_JOB_SECRET_FILE"
+SECRET_ENV = "FLEXRUN_JOB_SECRET"
+ETCD_PASSWORD_ENV_FILE = "FLEXRUN_ETCD_PASSWORD_FILE"
+ETCD_PASSWORD_ENV = "FLEXRUN_ETCD_PASSWORD"
+MIN_SECRET_BYTES = 16
+
+
+def read_secret_file(path: str, what: str = "job secret") -> bytes:
+    """The contents of a secret file, trailing whitespace stripped.
+
+    A file that group or others can read is accepted with a warning (a Kubernetes Secret
+    volume is 0644 unless its ``defaultMode`` says otherwise); ``chmod 600`` silences it.
+
+    Raises:
+        ConfigError: the file cannot be read or is empty.
+    """
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        data = p.read_bytes().rstrip()
+    except OSError as exc:
+        raise ConfigError(f"{what} file {path}: cannot read it ({exc.strerror or exc})") from None
+    if not data:
+        raise ConfigError(f"{what} file {path} is empty")
+    if mode & 0o077:
+        import logging
+
+        logging.getLogger("flexrun").warning(
+            "%s file %s can be read by other users (mode %o): chmod 600 %s",
+            what,
+            path,
+            mode & 0o777,
+            path,
+        )
+    return data
+
+
+def store_credentials(
+    conf: Mapping[str, str], environ: Mapping[str, str]
+) -> tuple[dict[str, str], bytes | None, str | None]:
+    """Split the job secret and the etcd password out of ``--rdzv-conf``.
+
+    Returns (the remaining conf, the job secret, the etcd password). Sources, first found
+    wins: secret: ``secret_file=PATH`` > ``$FLEXRUN_JOB_SECRET_FILE`` > ``$FLEXRUN_JOB_SECRET``;
+    etcd password: ``password_file=PATH`` > ``$FLEXRUN_ETCD_PASSWORD_FILE`` >
+    ``$FLEXRUN_ETCD_PASSWORD``. A value on the command line (``secret=``, ``password=``)
+    is refused: every user of the machine sees it in ``ps``.
+
+    Raises:
+        ConfigError: a value given on the command line, an unreadable or short secret.
+    """
+    rest = dict(conf)
+    for name, instead in (("secret", "secret_file=PATH"), ("password", "password_file=PATH")):
+        if name in rest:
+            raise ConfigError(
+                f"--rdzv-conf {name}=...: a secret on the command line is visible to every user "
+                f"in `ps`; use --rdzv-conf {instead} or the environment "
+                f"({SECRET_ENV_FILE if name == 'secret' else ETCD_PASSWORD_ENV_FILE})"
+            )
+    secret: bytes | None = None
+    if "secret_file" in rest:
+        secret = read_secret_file(rest.pop("secret_file"))
+    elif environ.get(SECRET_ENV_FILE):
+        secret = read_secret_file(environ[SECRET_ENV_FILE])
+    elif environ.get(SECRET_ENV):
+        secret = environ[SECRET_ENV].strip().encode()
+    if secret is not None and len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"the job secret is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            "(e.g. `openssl rand -hex 32 > secret; chmod 600 secret`)"
+        )
+    password: str | None = None
+    if "password_file" in rest:
+        password = read_secret_file(rest.pop("password_file"), "etcd password").decode()
+    elif environ.get(ETCD_PASSWORD_ENV_FILE):
+        password = read_secret_file(environ[ETCD_PASSWORD_ENV_FILE], "etcd password").decode()
+    elif environ.get(ETCD_PASSWORD_ENV):
+        password = environ[ETCD_PASSWORD_ENV]
+    return rest, secret, password
+
+
+def generated_secret() -> bytes:
+    """A fresh random job secret (``--standalone``: one per run)."""
+    import secrets
+
+    return secrets.token_hex(32).encode()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,7 +394,7 @@ def is_this_host(host: str) -> bool:
 def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     """Build and validate a RunConfig from parsed ``flexrun run`` arguments."""
     a = {k: v for k, v in vars(ns).items() if k != "environ"}
-    conf = parse_kv(a["rdzv_conf"] or "")
+    conf, secret, password = store_credentials(parse_kv(a["rdzv_conf"] or ""), environ)
     min_nodes, max_nodes = parse_nnodes(a["nnodes"])
     backend = str(a["rdzv_backend"]).strip().lower()
     if backend not in BACKENDS:
@@ -361,6 +455,8 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         host_store=host_store,
         connect_timeout_s=_conf_float(conf, "connect_timeout", 30.0),
         conf={k: v for k, v in conf.items() if k not in known},
+        secret=secret,
+        password=password,
     )
     run_id = a["rdzv_id"] or ("none" if standalone or not endpoints else "default")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
@@ -372,6 +468,8 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
     mode = resolve_mode(
         str(a["mode"]), a["training_script"], module=bool(a["module"]) or bool(a["no_python"])
     )
+    if standalone and secret is None and mode != "live":  # (live: see store.factory)
+        store = replace(store, secret=generated_secret())
     spares_raw = a["warm_spares"]
     try:
         spares = (
