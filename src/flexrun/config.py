@@ -272,6 +272,18 @@ def store_credentials(
     return rest, secret, password
 
 
+KEEPALIVES_PER_S = 2000.0
+"""The keep-alive writes per second the store is budgeted for at the default interval
+(the numbers behind it: ``flexrun.rendezvous.keepalive``)."""
+
+
+def keepalive_defaults(max_nodes: int) -> tuple[float, float]:
+    """(heartbeat_interval_s, heartbeat_timeout_s) by default for up to ``max_nodes``
+    nodes: max(1 s, N / 2000 s) and five intervals (1 s / 5 s up to 2000 nodes)."""
+    interval = max(1.0, max_nodes / KEEPALIVES_PER_S)
+    return interval, 5 * interval
+
+
 def generated_secret() -> bytes:
     """A fresh random job secret (``--standalone``: one per run)."""
     import secrets
@@ -432,13 +444,15 @@ def run_config_from_args(ns: object, environ: Mapping[str, str]) -> RunConfig:
         host_store = backend in BACKENDS_TCP and (
             explicit if explicit is not None else is_this_host(endpoints[0][0])
         )
+    default_interval, _ = keepalive_defaults(max_nodes)
+    interval = _conf_float(conf, "heartbeat_interval", default_interval)
     rdzv = RendezvousSettings(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         last_call_s=_conf_float(conf, "last_call_timeout", 1.0),
         join_timeout_s=_conf_float(conf, "join_timeout", 600.0),
-        heartbeat_interval_s=_conf_float(conf, "heartbeat_interval", 1.0),
-        heartbeat_timeout_s=_conf_float(conf, "heartbeat_timeout", 5.0),
+        heartbeat_interval_s=interval,
+        heartbeat_timeout_s=_conf_float(conf, "heartbeat_timeout", max(5.0, 5 * interval)),
         max_restarts=int(a["max_restarts"]),
     )
     known = {

@@ -19,26 +19,26 @@ import dataclasses
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.errors import RendezvousError, RendezvousTimeout, StoreError
 from flexrun.events import EventLog
+from flexrun.rendezvous.claims import Claims
 from flexrun.rendezvous.decide import Action, Run, Wait, counted_failure, failure_round
-from flexrun.rendezvous.follow import FollowView, follow, should_claim
-from flexrun.rendezvous.records import ask_for_slice, read_slice, with_loader
+from flexrun.rendezvous.follower import Follower
+from flexrun.rendezvous.keepalive import KeepAlive
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
     PENDING,
     RUNNING,
-    Claim,
     Keys,
     MasterRecord,
     NodeRecord,
     RoundRecord,
-    Slice,
 )
 from flexrun.rendezvous.watcher import Watcher
 from flexrun.store.api import Store
@@ -46,7 +46,6 @@ from flexrun.store.signed import is_signed, report_to
 
 log = logging.getLogger("flexrun.rendezvous")
 
-SLICES_KEPT = 4
 
 
 def free_port(addr: str) -> int:
@@ -86,28 +85,21 @@ class RendezvousHandler:
         self.settle_until = 0.0
         self._since_rev = 0
         self._known_master: tuple[int, MasterRecord] | None = None
-        self._claim: Claim | None = None
-        self._claim_rev = 0
-        self.watching = False
-        self._was_watcher = False
+        self._claims = Claims(self)
         self._watcher = Watcher(self)
-        self._next_check = 0.0
-        self._claim_seen_at = -1  # header revision when the claim was last read
-        self._vacant_since: float | None = None
-        self._slices: dict[str, Slice] = {}
-        self._asked = ""
+        self._follower = Follower(self)
+        self._quiet = False  # the last wait saw no change: the next step needs no read
         self.judges_ttl = bool(getattr(store, "judges_ttl_locally", False))
         self._joined_at = clock.monotonic()
         self._stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-        self._hb_failing = False
-        report_to(store, self._rejected)
+        self._keepalive = KeepAlive(self._beat, settings.heartbeat_interval_s, self._stop)
+        report_to(store, self.rejected)
 
     @property
     def stopped(self) -> bool:
         return self._stop.is_set()
 
-    def _rejected(self, key: str, reason: str) -> None:
+    def rejected(self, key: str, reason: str) -> None:
         self.events.emit("store_record_rejected", key=key, reason=reason)
 
     # -- membership --------------------------------------------------------------------
@@ -116,10 +108,7 @@ class RendezvousHandler:
         self._beat()
         self.store.put(self.keys.node(self.me.node_id), self.me.encode())
         self._joined_at = self.clock.monotonic()
-        self._hb_thread = threading.Thread(
-            target=self._heartbeat_loop, name="flexrun-heartbeat", daemon=True
-        )
-        self._hb_thread.start()
+        self._keepalive.start()
         self.events.emit(
             "node_joined", node_id=self.me.node_id, addr=self.me.addr, nproc=self.me.nproc
         )
@@ -140,47 +129,20 @@ class RendezvousHandler:
             ttl_s=self.settings.heartbeat_timeout_s,
         )
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval_s):
-            try:
-                self._beat()
-                if self._hb_failing:
-                    log.warning("store reachable again; keep-alive resumed")
-                    self._hb_failing = False
-            except StoreError as exc:
-                if not self._hb_failing:
-                    log.warning("keep-alive failed (will retry): %s", exc)
-                    self._hb_failing = True
-
     def leave(self) -> None:
         """Stop the keep-alive and remove this node so the others re-form at once (a
         watcher first hands its role over). Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        self._keepalive.join(timeout_s=5)
         try:
-            if self.watching and self._claim is not None:
-                self._hand_over(self._claim)
+            if self.watching:
+                self._claims.hand_over()
             self.store.delete(self.keys.node(self.me.node_id))
             self.store.delete(self.keys.heartbeat(self.me.node_id))
         except StoreError as exc:
             log.warning("could not deregister from the store: %s", exc)
-
-    def _hand_over(self, claim: Claim) -> None:
-        """Give the watcher role up (a graceful leave): vacate the claim, then touch the
-        header so that the followers, which read the claim when the header changes, take
-        the role over at once instead of at their next periodic check."""
-        vacant = Claim("", claim.term + 1)
-        ok, _ = self.store.compare_and_set(
-            self.keys.watcher, vacant.encode(), expected_revision=self._claim_rev
-        )
-        hdr, rev = self.read_header()
-        if ok and hdr is not None:
-            touched = dataclasses.replace(hdr, seq=self.max_seq + 1)
-            if self.store.compare_and_set(self.keys.round, touched.header(), expected_revision=rev)[0]:
-                self.note_header(touched)
 
     def reregister(self, now: float) -> None:
         """The store lost this node's record (it restarted): register again."""
@@ -202,11 +164,11 @@ class RendezvousHandler:
         try:
             rnd = RoundRecord.decode(entry.value)
         except RendezvousError as exc:
-            self._rejected(self.keys.round, f"corrupt: {exc}"[:200])
+            self.rejected(self.keys.round, f"corrupt: {exc}"[:200])
             return self._header, entry.revision
         if (rnd.number, rnd.seq) < self._newest:
             self.replayed = True
-            self._rejected(self.keys.round, f"round {rnd.number} is older than round {self._newest[0]} (replayed)")
+            self.rejected(self.keys.round, f"round {rnd.number} is older than round {self._newest[0]} (replayed)")
             return self._header, entry.revision
         self.note_header(rnd)
         return rnd, entry.revision
@@ -238,16 +200,31 @@ class RendezvousHandler:
         """Read what this node's role needs, decide, and perform a proposal or a claim.
 
         Returns the decided action; a performed proposal returns ``Wait`` so the caller
-        reads again (whether or not it won).
+        reads again (whether or not it won). A follower whose last :meth:`wait` saw no
+        change decides from what it read before, without a request (an agent steps every
+        monitor interval: 0.1 s).
         """
+        now = self.clock.monotonic()
+        quiet, self._quiet = self._quiet, False
+        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled():
+            return self._checked(self._follower.again(running), running, now)
         self._since_rev = self.store.revision()
         hdr, rev = self.read_header()
         now = self.clock.monotonic()
-        self._update_claim(hdr, rev, now)
+        self._claims.update(hdr, rev, now)
         if self.watching:
             action = self._watcher.step(running, hdr, rev)
         else:
-            action = self._follow(running, hdr, now)
+            action = self._follower.step(running, hdr, now)
+        return self._checked(action, running, now)
+
+    @property
+    def watching(self) -> bool:
+        """Whether this node is the watcher (reads membership and proposes rounds)."""
+        return self._claims.watching
+
+    def _checked(self, action: Action, running: int | None, now: float) -> Action:
+        """``action``, unless this node has waited longer than the join timeout for MIN nodes."""
         rnd = self.round
         if (
             isinstance(action, Wait)
@@ -263,100 +240,6 @@ class RendezvousHandler:
             )
         return action
 
-    def _check_interval(self) -> float:
-        s = self.settings
-        return max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2)
-
-    def _update_claim(self, hdr: RoundRecord | None, hdr_rev: int, now: float) -> None:
-        """Who watches: read the claim when due (always as the watcher; after the header
-        changed: a new watcher proposes, a leaving one touches the header), judge the
-        holder's keep-alive, and claim the role when :func:`should_claim` says so."""
-        changed, self._claim_seen_at = hdr_rev != self._claim_seen_at, hdr_rev
-        if not (
-            self.watching or self._claim is None or hdr is None or changed or now >= self._next_check
-        ):
-            return
-        self._next_check = now + self._check_interval()
-        entry = self.store.get(self.keys.watcher)
-        claim: Claim | None = None
-        if entry is not None:
-            try:
-                claim = Claim.decode(entry.value)
-            except RendezvousError as exc:
-                self._rejected(self.keys.watcher, f"corrupt: {exc}"[:200])
-        rev = entry.revision if entry is not None else 0
-        alive: bool | None = None
-        if claim is not None and claim.node and claim.node != self.me.node_id:
-            alive = self.store.get(self.keys.heartbeat(claim.node)) is not None
-        if claim is None:
-            self._vacant_since = now if self._vacant_since is None else self._vacant_since
-        else:
-            self._vacant_since = None
-        if not self.stopped and should_claim(
-            claim,
-            alive,
-            me=self.me.node_id,
-            was_watcher=self._was_watcher,
-            seen_rounds=self.floor > 0,
-            vacant_for_s=now - (self._vacant_since or now),
-            settle_s=self.settings.heartbeat_timeout_s,
-        ):
-            new = Claim(self.me.node_id, (claim.term if claim is not None else 0) + 1)
-            ok, won = self.store.compare_and_set(self.keys.watcher, new.encode(), expected_revision=rev)
-            if ok and won is not None:
-                previous = claim.node if claim is not None else ""
-                claim, rev = new, won.revision
-                self.events.emit("watcher_claimed", term=new.term, previous=previous or None)
-                log.info("this node watches membership now (term %d)", new.term)
-            else:
-                claim = None
-                self._next_check = now  # lost the race: read who won next time
-        was = self.watching
-        self._claim, self._claim_rev = claim, rev
-        self.watching = claim is not None and claim.node == self.me.node_id
-        if was and not self.watching:
-            log.warning("another node watches membership now: following")
-        self._was_watcher = self._was_watcher or self.watching
-
-    def _follow(self, running: int | None, hdr: RoundRecord | None, now: float) -> Action:
-        if hdr is None and self.floor > 0:
-            self._store_lost(running, now)
-            hdr, _ = self.read_header()
-        cur = self._attach(hdr)
-        self.set_round(cur)
-        member = cur.mine.member if cur is not None and cur.mine is not None else None
-        return follow(FollowView(self.me.node_id, cur, member, running))
-
-    def _attach(self, hdr: RoundRecord | None) -> RoundRecord | None:
-        """``hdr`` with this node's slice (read once per member list) and its member list
-        readable on use; asks the watcher once for a slice that is not there."""
-        if hdr is None:
-            return None
-        rnd = with_loader(self.store, self.keys, hdr)
-        digest = rnd.digest
-        mine = self._slices.get(digest) if digest else None
-        if digest and mine is None and rnd.state == RUNNING:
-            mine = read_slice(self.store, self.keys, digest, self.me.node_id)
-            if mine is not None:
-                self._slices[digest] = mine
-                while len(self._slices) > SLICES_KEPT:
-                    del self._slices[next(iter(self._slices))]
-            elif self._asked != digest:
-                ask_for_slice(self.store, self.keys, self.me.node_id, digest)
-                self._asked = digest
-        return dataclasses.replace(rnd, mine=mine)
-
-    def _store_lost(self, running: int | None, now: float) -> None:
-        """The header is gone although rounds were seen: the store restarted. Register
-        again if the record went too, and put back the round this node trains in."""
-        if not self.stopped and self.store.get(self.keys.node(self.me.node_id)) is None:
-            self.reregister(now)
-        known = self.known_round
-        if running is not None and known is not None:
-            ok, _ = self.store.compare_and_set(self.keys.round, known.header(), expected_revision=0)
-            if ok:
-                self.round_restored(known)
-
     # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
         """What :meth:`wait` waits on: the watcher all of ``s/``, the others the round."""
@@ -365,6 +248,7 @@ class RendezvousHandler:
     def wait(self, timeout_s: float) -> bool:
         """Block until the watched state may have changed, or ``timeout_s``."""
         changed, _ = self.store.wait_for_change(self.watched_prefix(), self._since_rev, timeout_s)
+        self._quiet = not changed
         return changed
 
     # -- per-round master address ----------------------------------------------------------
@@ -404,25 +288,35 @@ class RendezvousHandler:
     def _with_mine(self, rnd: RoundRecord) -> RoundRecord:
         if isinstance(rnd.members, tuple) and rnd.members:
             return rnd
-        return dataclasses.replace(
-            with_loader(self.store, self.keys, rnd), mine=self._slices.get(rnd.digest)
-        )
+        return self._follower.with_slice(rnd)
 
-    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
-        """Start the next round after a worker failure (or end the job if restarts are spent)."""
+    def _rewrite(self, make: Callable[[RoundRecord], RoundRecord | None]) -> RoundRecord | None:
+        """Compare-and-set the header to ``make(current)`` until it sticks; ``make`` returns
+        None when there is nothing to write (the current header is returned then). None:
+        the store lost the round."""
         while True:
             rnd, rev = self.read_header()
             if rnd is None:
-                return self._round_lost()
-            if rnd.number != failed_round or rnd.state != RUNNING:
-                # Someone already moved on (another failure or a membership change).
+                return None
+            rec = make(rnd)
+            if rec is None:
                 return self._with_mine(rnd)
-            rec = failure_round(rnd, self.settings, root_cause, floor=self.floor)
             rec = dataclasses.replace(rec, seq=self.max_seq + 1)
             ok, _ = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
             if ok:
                 self.note_header(rec)
                 return self._with_mine(rec)
+
+    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
+        """Start the next round after a worker failure (or end the job if restarts are
+        spent); a round someone already moved on from is returned as it is."""
+
+        def make(r: RoundRecord) -> RoundRecord | None:
+            if r.number != failed_round or r.state != RUNNING:
+                return None
+            return failure_round(r, self.settings, root_cause, floor=self.floor)
+
+        return self._rewrite(make) or self._round_lost()
 
     def _round_lost(self) -> RoundRecord:
         """The store lost the round record (it restarted) while this agent reported a
@@ -436,31 +330,18 @@ class RendezvousHandler:
     def count_failure(self, root_cause: FailureCause) -> RoundRecord:
         """Live mode: count a failure against --max-restarts without changing the round
         (survivors keep running); end the job if restarts are spent."""
-        while True:
-            rnd, rev = self.read_header()
-            if rnd is None:
-                return self._round_lost()
-            if rnd.state != RUNNING:
-                return self._with_mine(rnd)
-            rec = dataclasses.replace(
-                counted_failure(rnd, self.settings, root_cause), seq=self.max_seq + 1
-            )
-            ok, _ = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
-            if ok:
-                self.note_header(rec)
-                return self._with_mine(rec)
+
+        def make(r: RoundRecord) -> RoundRecord | None:
+            return counted_failure(r, self.settings, root_cause) if r.state == RUNNING else None
+
+        return self._rewrite(make) or self._round_lost()
 
     def close(self, running_round: int) -> None:
         """Mark the job finished (no new rounds); idempotent."""
-        while True:
-            rnd, rev = self.read_header()
-            if rnd is None or rnd.state in (CLOSED, FAILED):
-                return
-            rec = dataclasses.replace(
-                rnd, state=CLOSED, reason="finished", exit_code=0, root_cause=None,
-                seq=self.max_seq + 1,
-            )
-            ok, _ = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
-            if ok:
-                self.note_header(rec)
-                return
+
+        def make(r: RoundRecord) -> RoundRecord | None:
+            if r.state in (CLOSED, FAILED):
+                return None
+            return dataclasses.replace(r, state=CLOSED, reason="finished", exit_code=0, root_cause=None)
+
+        self._rewrite(make)

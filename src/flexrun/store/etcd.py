@@ -58,16 +58,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.errors import ConfigError, StoreError, StoreUnavailable
+from flexrun.errors import ConfigError, StoreError
 from flexrun.store.api import Entry
-from flexrun.store.etcd_http import EtcdRefused, Transport, Unreachable, tls_context
+from flexrun.store.etcd_http import Cluster, Transport, Unreachable, tls_context
 
 if TYPE_CHECKING:  # the store layer takes settings from above but never imports config at run time
     from flexrun.config import StoreSettings
 
 _INTERNAL = "__flexrun/"
 _REV_PROBE = "__flexrun/rev"
-_ATTEMPT_S = 1.0
 TXN_OPS = 128  # etcd's default --max-txn-ops
 SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
 OPTIONS = ("cacert", "cert", "key", "tls", "user", "request_timeout")
@@ -97,6 +96,40 @@ def _range_end(prefix: str) -> bytes:
 
 def _rev(result: Mapping[str, Any]) -> int:
     return int(result.get("header", {}).get("revision", 0))
+
+
+def options(settings: StoreSettings) -> dict[str, Any]:
+    """:class:`EtcdStore`'s keyword arguments from ``--rdzv-conf`` and the settings.
+
+    Raises:
+        ConfigError: an unknown option or a malformed value.
+    """
+    conf = dict(settings.conf)
+    unknown = sorted(set(conf) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"--rdzv-conf {', '.join(unknown)}: not an option of the etcd backend "
+            f"(known: {', '.join(OPTIONS)}, password_file, and the generic rendezvous options)"
+        )
+    tls = conf.get("tls", "false").lower()
+    if tls not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"--rdzv-conf tls={conf['tls']!r}: expected true or false")
+    try:
+        request_timeout_s = float(conf.get("request_timeout", "5"))
+    except ValueError:
+        raise ConfigError(
+            f"--rdzv-conf request_timeout={conf['request_timeout']!r}: expected seconds"
+        ) from None
+    return {
+        "https": tls in ("true", "1", "yes"),
+        "cacert": conf.get("cacert"),
+        "cert": conf.get("cert"),
+        "key": conf.get("key"),
+        "user": conf.get("user"),
+        "password": getattr(settings, "password", None),
+        "connect_timeout_s": settings.connect_timeout_s,
+        "request_timeout_s": request_timeout_s,
+    }
 
 
 class EtcdStore:
@@ -139,19 +172,22 @@ class EtcdStore:
                 tls = tls_context(cacert, cert, key)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"--rdzv-conf cacert/cert/key: unusable TLS files: {exc}") from exc
-        self._transports = [Transport(h, p, tls) for h, p in self.endpoints]
-        self._user, self._password = user, password
-        self._request_timeout_s = request_timeout_s
+        self._cluster = Cluster(
+            [Transport(h, p, tls) for h, p in self.endpoints],
+            user=user,
+            password=password,
+            request_timeout_s=request_timeout_s,
+            clock=clock,
+        )
+        self._transports = self._cluster.transports
         self._clock = clock
         self._lock = threading.Lock()
-        self._current = 0
-        self._closed = False
         # key -> (lease id, ttl_s, value written, revision of that write, when written)
         self._leases: dict[str, tuple[int, float, bytes, int, float]] = {}
         # prefix -> (revision, key (base64) -> kv): the last get_prefix, brought up to date
         # by the next one with only the keys modified since
         self._snapshots: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
-        self._connect(connect_timeout_s)
+        self._cluster.connect(connect_timeout_s)
 
     @classmethod
     def from_settings(cls, settings: StoreSettings, clock: Clock = SYSTEM_CLOCK) -> EtcdStore:
@@ -162,146 +198,15 @@ class EtcdStore:
             ConfigError: an unknown or inconsistent option, or credentials etcd rejects.
             StoreUnavailable: no endpoint answered within ``connect_timeout_s``.
         """
-        conf = dict(settings.conf)
-        unknown = sorted(set(conf) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(
-                f"--rdzv-conf {', '.join(unknown)}: not an option of the etcd backend "
-                f"(known: {', '.join(OPTIONS)}, password_file, and the generic rendezvous options)"
-            )
-        tls = conf.get("tls", "false").lower()
-        if tls not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError(f"--rdzv-conf tls={conf['tls']!r}: expected true or false")
-        try:
-            request_timeout_s = float(conf.get("request_timeout", "5"))
-        except ValueError:
-            raise ConfigError(
-                f"--rdzv-conf request_timeout={conf['request_timeout']!r}: expected seconds"
-            ) from None
-        return cls(
-            settings.endpoints,
-            https=tls in ("true", "1", "yes"),
-            cacert=conf.get("cacert"),
-            cert=conf.get("cert"),
-            key=conf.get("key"),
-            user=conf.get("user"),
-            password=getattr(settings, "password", None),
-            connect_timeout_s=settings.connect_timeout_s,
-            request_timeout_s=request_timeout_s,
-            clock=clock,
-        )
+        return cls(settings.endpoints, **options(settings), clock=clock)
 
     # -- plumbing ---------------------------------------------------------------------
-    def _where(self) -> str:
-        return ", ".join(f"{h}:{p}" for h, p in self.endpoints)
-
-    def _post(self, t: Transport, path: str, payload: Mapping[str, Any], timeout_s: float) -> Any:
-        return t.post(path, payload, timeout_s)
-
     def _call(self, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One request on the endpoint that last answered, failing over to the others.
-
-        Raises:
-            StoreUnavailable: no endpoint answered within the request timeout.
-            StoreError: etcd answered with an error (permission denied, bad request).
-        """
-        return self._retry(lambda t, timeout_s: self._post(t, path, payload, timeout_s))
+        """One request with fail-over (see :meth:`flexrun.store.etcd_http.Cluster.call`)."""
+        return self._cluster.call(path, payload)
 
     def _retry(self, op: Callable[[Transport, float], T]) -> T:
-        if self._closed:
-            raise StoreUnavailable("etcd store client is closed")
-        deadline = self._clock.monotonic() + self._request_timeout_s
-        delay = 0.05
-        # A request that reaches a member while the cluster elects a leader is held by etcd
-        # for its own request timeout (about 6 s) before failing; give up on an attempt
-        # much sooner and try the next member, doubling the allowance each round so that
-        # a large read on a busy cluster still completes.
-        attempt_s = _ATTEMPT_S
-        n = len(self._transports)
-        last: BaseException | None = None
-        reauthed = False
-        while True:
-            start = self._current
-            for i in range(n):
-                t = self._transports[(start + i) % n]
-                timeout_s = max(0.05, min(attempt_s, deadline - self._clock.monotonic()))
-                try:
-                    result = op(t, timeout_s)
-                except Unreachable as exc:
-                    last = exc
-                    continue
-                except EtcdRefused as exc:
-                    if self._user is not None and not reauthed and "token" in exc.text.lower():
-                        reauthed = True  # etcd expired our auth token: get a new one, retry
-                        self._authenticate(t)
-                        try:
-                            result = op(t, timeout_s)
-                        except Unreachable as again:
-                            last = again
-                            continue
-                        except EtcdRefused as again:
-                            raise StoreError(f"etcd at {t.host}:{t.port}: {again.text}") from again
-                    else:
-                        raise StoreError(f"etcd at {t.host}:{t.port}: {exc.text}") from exc
-                self._current = (start + i) % n
-                return result
-            attempt_s *= 2
-            if self._clock.monotonic() + delay > deadline:
-                raise StoreUnavailable(
-                    f"no etcd endpoint answered within {self._request_timeout_s:g}s "
-                    f"({self._where()}): {last or 'no answer'}"
-                ) from last
-            self._clock.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    def _connect(self, timeout_s: float) -> None:
-        deadline = self._clock.monotonic() + timeout_s
-        delay = 0.05
-        last: BaseException | None = None
-        while True:
-            for idx, t in enumerate(self._transports):
-                try:
-                    t.post("/maintenance/status", {}, max(0.1, min(2.0, timeout_s)), auth=False)
-                except Unreachable as exc:
-                    last = exc
-                    continue
-                except EtcdRefused as exc:
-                    last = exc  # it answered; auth or permissions are checked next
-                self._current = idx
-                if self._user is not None:
-                    self._authenticate(t)
-                return
-            if self._clock.monotonic() + delay > deadline:
-                raise StoreUnavailable(
-                    f"cannot reach etcd at {self._where()} after {timeout_s:g}s ({last or 'no answer'}); "
-                    "check --rdzv-endpoint, that etcd 3.4+ is running there, and the TLS options"
-                ) from last
-            self._clock.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-    def _authenticate(self, t: Transport) -> None:
-        try:
-            resp = t.post(
-                "/auth/authenticate",
-                {"name": self._user, "password": self._password},
-                self._request_timeout_s,
-                auth=False,  # the auth call itself goes without a (possibly expired) token
-            )
-        except Unreachable as exc:
-            raise StoreUnavailable(f"etcd at {t.host}:{t.port}: {exc}") from exc
-        except EtcdRefused as exc:
-            raise ConfigError(
-                f"etcd at {t.host}:{t.port} rejected user {self._user!r}: {exc.text}; check "
-                "--rdzv-conf user and the password (password_file / FLEXRUN_ETCD_PASSWORD_FILE)"
-            ) from exc
-        token = resp.get("token")
-        if not token:
-            raise ConfigError(
-                f"etcd at {t.host}:{t.port} returned no auth token; is auth enabled "
-                "(etcdctl auth enable)? otherwise drop --rdzv-conf user"
-            )
-        for other in self._transports:
-            other.token = str(token)
+        return self._cluster.retry(op)
 
     def _range(self, key: str, range_end: bytes | None = None) -> tuple[int, list[dict[str, Any]]]:
         payload: dict[str, Any] = {"key": _b64(key)}
@@ -448,7 +353,7 @@ class EtcdStore:
 
         def op(t: Transport, timeout_s: float) -> dict[str, Any]:
             attempts.append(1)
-            return dict(self._post(t, "/kv/txn", txn, timeout_s))
+            return dict(self._cluster.post(t, "/kv/txn", txn, timeout_s))
 
         result = self._retry(op)
         with self._lock:
@@ -498,7 +403,7 @@ class EtcdStore:
         self, t: Transport, request: Mapping[str, Any], deadline: float, since_revision: int
     ) -> tuple[bool, int]:
         remaining = max(0.01, deadline - self._clock.monotonic())
-        connect_s = min(remaining, self._request_timeout_s)
+        connect_s = min(remaining, self._cluster.request_timeout_s)
         for message in t.stream("/watch", request, connect_s, remaining):
             if "error" in message:
                 raise Unreachable(str(message["error"]))
@@ -517,9 +422,7 @@ class EtcdStore:
         raise Unreachable("watch ended early")
 
     def close(self) -> None:
-        self._closed = True
-        for t in self._transports:
-            t.close()
+        self._cluster.close()
 
 
 __all__ = ["OPTIONS", "EtcdStore"]

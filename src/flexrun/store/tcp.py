@@ -41,7 +41,6 @@ clock, which needs no agreement between hosts' clocks.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -56,18 +55,16 @@ from flexrun.store.tcp_watch import (
     _CH_COUNT,
     _CH_PREFIX,
     _EV_PREFIX,
+    _INTERNAL,
     _REV_KEY,
+    BATCH,
     EVENT_WINDOW,
     ChangeLog,
     dir_of,
 )
 
-_EPOCH_KEY = "__flexrun/epoch"
 _WATCHED_KEY = "__flexrun/watched"
-_INTERNAL = "__flexrun/"
 CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
-SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
-BATCH = 512  # keys per multi_set / multi_get request
 RAW_CACHE = 4096  # raw values kept for a compare-and-set without a read
 _TOMBSTONE = b"x"
 _dir_of = dir_of
@@ -121,6 +118,7 @@ class TcpStore:
         # date from the event log by the next one (only keys written since are fetched)
         # (the store's epoch is in it: a restarted server has lost the keys it names)
         self._snapshots: dict[str, tuple[bytes, int, dict[str, bytes]]] = {}
+        self._full_at: dict[str, float] = {}  # prefix -> when it was last read in full
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
         self._log = ChangeLog(self)  # revisions, the event log, watches
         self._closed = False
@@ -256,63 +254,13 @@ class TcpStore:
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         """Every live key under ``prefix``; a repeated call fetches only what was written
-        since the last one (the event log names those keys), not every key again."""
-        c = self._c()
-        at = self.revision()  # every write up to here has landed and is logged
-        with self._seen_lock:
-            snap = self._snapshots.get(prefix)
-        raws: dict[str, bytes] | None = None
-        epoch = b""
-        if snap is not None and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
-            epoch = snap[0]
-            raws = self._catch_up(prefix, snap, at)
-        if raws is None:
-            # This server's epoch: created by the first reader, gone if the server restarts.
-            epoch = bytes(self._call(c.compare_set, _EPOCH_KEY, b"", os.urandom(8).hex().encode()))
-            keys = sorted(
-                k
-                for k in self._call(c.list_keys)
-                if k.startswith(prefix) and not k.startswith(_INTERNAL)
-            )
-            raws = {}
-            for i in range(0, len(keys), BATCH):
-                part = keys[i : i + BATCH]
-                raws.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
-        with self._seen_lock:
-            old = self._snapshots.get(prefix)
-            if old is None or old[1] <= at:
-                self._snapshots[prefix] = (epoch, at, raws)
-                if len(self._snapshots) > SNAPSHOTS:
-                    del self._snapshots[next(iter(self._snapshots))]
+        since the last one (:meth:`flexrun.store.tcp_watch.ChangeLog.read_prefix`)."""
+        raws = self._log.read_prefix(prefix)
         out = {}
         for key in sorted(raws):
             entry = self._live(key, raws[key])
             if entry is not None:
                 out[key] = entry
-        return out
-
-    def _catch_up(
-        self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
-    ) -> dict[str, bytes] | None:
-        """A snapshot's keys updated to revision ``at``; None: the log cannot tell."""
-        c = self._c()
-        epoch, since, raws = snap
-        names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in range(since + 1, at + 1)]
-        if not self._call(c.check, names):
-            return None  # a restarted server, a revision abandoned by a dead writer
-        got = self._log._fetch_events(since + 1, names)
-        if got is None or bytes(got[0]) != epoch:
-            return None  # a restarted server that has been written to since
-        logged = {bytes(k).decode() for k in got[1:]}
-        changed = sorted(
-            k for k in logged if k and k.startswith(prefix) and not k.startswith(_INTERNAL)
-        )
-        if not changed:
-            return raws
-        out = dict(raws)
-        for i in range(0, len(changed), BATCH):
-            part = changed[i : i + BATCH]
-            out.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
         return out
 
     def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
