@@ -26,6 +26,7 @@ from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.errors import RendezvousError, RendezvousTimeout, StoreError
 from flexrun.events import EventLog
+from flexrun.rendezvous.changewatch import ChangeWatch
 from flexrun.rendezvous.claims import Claims
 from flexrun.rendezvous.decide import Action, Run, Wait, counted_failure, failure_round
 from flexrun.rendezvous.follower import Follower
@@ -93,6 +94,7 @@ class RendezvousHandler:
         self._joined_at = clock.monotonic()
         self._stop = threading.Event()
         self._keepalive = KeepAlive(self._beat, settings.heartbeat_interval_s, self._stop)
+        self._changes = ChangeWatch(store, self._stop)
         report_to(store, self.rejected)
 
     @property
@@ -135,6 +137,7 @@ class RendezvousHandler:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._changes.close()
         self._keepalive.join(timeout_s=5)
         try:
             if self.watching:
@@ -216,6 +219,7 @@ class RendezvousHandler:
             action = self._watcher.step(running, hdr, rev)
         else:
             action = self._follower.step(running, hdr, now)
+        self._changes.arm(self.watched_prefix(), self._since_rev)
         return self._checked(action, running, now)
 
     @property
@@ -246,8 +250,10 @@ class RendezvousHandler:
         return self.keys.watched if self.watching else self.keys.round_dir
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until the watched state may have changed, or ``timeout_s``."""
-        changed, _ = self.store.wait_for_change(self.watched_prefix(), self._since_rev, timeout_s)
+        """Block until the watched state may have changed since the last :meth:`step`, or
+        ``timeout_s``. One long store watch in the background serves every call (see
+        :mod:`flexrun.rendezvous.changewatch`): a short wait costs no request."""
+        changed = self._changes.wait(timeout_s)
         self._quiet = not changed
         return changed
 

@@ -327,7 +327,14 @@ class RoundRecord:
 
     @property
     def member_ids(self) -> list[str]:
+        """Every member's id (a follower reads the member list for it: O(N) bytes)."""
         return [m.node_id for m in self.members]
+
+    def known_member_ids(self) -> list[str] | None:
+        """The members' ids if the list is in memory (the watcher's rounds), else None:
+        what an event can record without reading the list from the store."""
+        m = self.members
+        return [x.node_id for x in m] if not isinstance(m, Members) or m.loaded else None
 
     def group_rank(self, node_id: str) -> int | None:
         if self.mine is not None and self.mine.node_id == node_id:

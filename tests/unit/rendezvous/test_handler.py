@@ -563,3 +563,58 @@ def test_a_node_joining_after_a_kill_does_not_start_a_round_storm() -> None:
         for h in hs:
             h.store.close()
         server.close()
+
+
+class Waits:
+    """A store that counts its wait_for_change calls."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.waits = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def wait_for_change(self, prefix: str, since: int, timeout_s: float) -> tuple[bool, int]:
+        self.waits += 1
+        return self.inner.wait_for_change(prefix, since, timeout_s)
+
+
+@pytest.mark.timeout(30)
+def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_it() -> None:
+    import threading
+    import time
+
+    from flexrun._clock import SYSTEM_CLOCK
+
+    store = MemoryStore()
+    s = RendezvousSettings(min_nodes=2, max_nodes=3, last_call_s=0)
+    a = RendezvousHandler(store, run_id="job", me=NodeRecord("a", "h", 1), settings=s,
+                          events=EventLog(None, run_id="job", node="a"), clock=SYSTEM_CLOCK)
+    spy = Waits(store)
+    b = RendezvousHandler(spy, run_id="job", me=NodeRecord("b", "h", 1), settings=s,  # type: ignore[arg-type]
+                          events=EventLog(None, run_id="job", node="b"), clock=SYSTEM_CLOCK)
+    for h in (a, b):
+        h._beat()
+        store.put(h.keys.node(h.me.node_id), h.me.encode())
+    a.step(None)
+    assert isinstance(b.step(None), Run) and isinstance(a.step(None), Run)
+    ticks = 0
+    t_end = time.monotonic() + 1.0
+    while time.monotonic() < t_end:  # an agent's loop: wait a tick, step
+        assert not b.wait(0.05)
+        assert b.step(1) == Wait("training")
+        ticks += 1
+    assert ticks >= 10 and spy.waits <= 2, (ticks, spy.waits)
+    c = RendezvousHandler(store, run_id="job", me=NodeRecord("c", "h", 1), settings=s,
+                          events=EventLog(None, run_id="job", node="c"), clock=SYSTEM_CLOCK)
+    c._beat()
+    store.put(c.keys.node("c"), c.me.encode())
+    threading.Timer(0.2, lambda: a.step(1)).start()  # the watcher proposes [a, b, c]
+    t0 = time.monotonic()
+    while not b.wait(0.05):
+        assert time.monotonic() - t0 < 5
+    act = b.step(1)
+    assert isinstance(act, Run) and act.round.number == 2
+    for h in (a, b, c):
+        h.leave()
