@@ -1,11 +1,16 @@
-"""The agent side of bench_rdzv_scale.py: K rendezvous agents as threads of one process.
+"""The agent side of bench_rdzv_scale.py: K rendezvous agents in one process.
 
 Each agent is flexrun's real ``RendezvousHandler`` (or torch's ``DynamicRendezvousHandler``)
 on a store client of its own, counted: requests and bytes each way, split between the
-agent's own thread and its keep-alive thread. The harness does what an agent's loop does
-(join, step, wait; ``master_for`` once a round is its to run) and nothing the protocol
-should: no shared clients, no shared waits. The parent (bench_rdzv_scale.py) drives the
-phases through one command queue per process and collects what the agents report.
+agent's loop and its keep-alives. The harness does what an agent's loop does (join, wait,
+step; the round's master address once it has one) and nothing the protocol should: no
+shared clients, no shared waits (each handler keeps its own long store watch in a thread
+of its own, as in a real agent). What it shares is threads: two steppers per process tick
+the agents' loops (an agent's tick never blocks on the store here: the master address is
+polled where a real agent waits on its directory), and one scheduler writes every agent's
+keep-alive at its interval (the handler's keep-alive thread, multiplexed). With a thread
+per loop and per keep-alive, 4096 agents on 2 cores spent their time handing 16 GILs
+around (load average 1300, no round in 240 s).
 """
 
 from __future__ import annotations
@@ -118,10 +123,35 @@ class CountingDistStore:
 
 
 # -- one agent --------------------------------------------------------------------------------
-class Agent:
-    """One flexrun agent: its client, handler and loop."""
+class _NoThread:
+    """Stands in for a handler's keep-alive thread: the process's scheduler beats instead."""
 
-    def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None]) -> None:
+    def start(self) -> None:
+        pass
+
+    def join(self, timeout_s: float) -> None:
+        pass
+
+
+class KickCondition(threading.Condition):
+    """A handler's change-watch condition that also wakes the process's steppers."""
+
+    def __init__(self, kick: threading.Event) -> None:
+        super().__init__()
+        self._kick = kick
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        self._kick.set()
+
+
+class Agent:
+    """One flexrun agent: its own client, handler and change watch (a thread blocked in a
+    store wait, as in a real agent); its loop is ticked by the process's steppers and its
+    keep-alive written by the process's scheduler (the same writes at the same interval)."""
+
+    def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None],
+                 kick: threading.Event) -> None:
         from flexrun.config import RendezvousSettings, StoreSettings
         from flexrun.events import EventLog
         from flexrun.rendezvous import NodeRecord, RendezvousHandler
@@ -172,56 +202,113 @@ class Agent:
             settings=settings,
             events=EventLog(None, run_id=cfg["run_id"], node=self.node_id),
         )
-        self.thread = threading.Thread(target=self._main, daemon=True, name=f"agent-{aid}")
+        self.h._keepalive = _NoThread()  # type: ignore[assignment]
+        self.h._changes._cond = KickCondition(kick)
+        self.joined = False
+        self.running: int | None = None
+        self.pending: Any = None  # a round whose master address is not known yet
+        self.next_tick = 0.0
+        self.tries = 0
 
     def kill(self) -> None:
         """As a SIGKILL looks to the store: no more steps, no more keep-alives, no leave."""
         self.dead.set()
         self.h._stop.set()
+        self.h._changes.close()
 
-    def _main(self) -> None:
+    def changed(self) -> bool:
+        return bool(self.h._changes._changed)
+
+    def tick(self, now: float) -> float:
+        """One pass of an agent's loop (never blocks on the store); when to tick next."""
         from flexrun.errors import StoreUnavailable
         from flexrun.rendezvous import Exit, Run, Stop
 
-        self.go.wait()
-        running: int | None = None
-        tries = 0
-        joined = False
-        while not self.dead.is_set():
-            try:
-                if not joined:
-                    self.h.join()
-                    joined = True
-                action = self.h.step(running)
-                if isinstance(action, Run):
-                    rnd = action.round
-                    master = self.h.master_for(rnd, timeout_s=self.cfg["round_timeout_s"])
-                    if master is not None:
-                        running = rnd.number
-                        self.report("run", self.aid, rnd.number, time.monotonic(),
-                                    self.h.watching, len(rnd.members))
-                    continue
-                if isinstance(action, Stop):
-                    running = None
+        if self.dead.is_set():
+            return now + 3600
+        if not self.go.is_set():
+            return now + 0.05
+        try:
+            if not self.joined:
+                self.h.join()
+                self.joined = True
+            changed = self.h.wait(0)  # the agent's wait, timed out (or woken) by now
+            if self.pending is None or changed:
+                action = self.h.step(self.running)
+                if isinstance(action, Run) and action.round.number != self.running:
+                    self.pending = action.round
+                elif isinstance(action, Stop):
+                    self.running = None
                 elif isinstance(action, Exit):
                     self.report("error", self.aid, f"exit: {action.reason}")
-                    return
-                wait = self.cfg["wait_watcher_s"] if self.h.watching else self.cfg["wait_s"]
-                self.h.wait(wait)
-                tries = 0
-            except StoreUnavailable as exc:
-                tries += 1
-                self.report("retry", self.aid, str(exc)[:200])
-                time.sleep(min(2.0, 0.05 * 2 ** min(tries, 6)))
-            except Exception as exc:  # noqa: BLE001 (reported to the parent, never hidden)
-                self.report("error", self.aid, f"{type(exc).__name__}: {exc}"[:300])
+                    self.dead.set()
+                    return now + 3600
+            if self.pending is not None:
+                rnd = self.pending
+                if rnd.group_rank(self.node_id) == 0:
+                    found = self.h.master_for(rnd, timeout_s=0) is not None
+                else:  # (a real agent blocks on the master key's directory instead)
+                    found = self.store.get(self.h.keys.master(rnd.number)) is not None
+                if found:
+                    self.pending, self.running = None, rnd.number
+                    self.report("run", self.aid, rnd.number, time.monotonic(), self.h.watching,
+                                len(rnd.members))
+            self.tries = 0
+            fast = self.h.watching or self.pending is not None
+            return now + (self.cfg["wait_watcher_s"] if fast else self.cfg["wait_s"])
+        except StoreUnavailable as exc:
+            self.tries += 1
+            self.report("retry", self.aid, str(exc)[:200])
+            return now + min(2.0, 0.05 * 2 ** min(self.tries, 6))
+        except Exception as exc:  # noqa: BLE001 (reported to the parent, never hidden)
+            self.report("error", self.aid, f"{type(exc).__name__}: {exc}"[:300])
+            self.dead.set()
+            return now + 3600
+
+    def beat(self) -> None:
+        if self.joined and not self.dead.is_set():
+            self.h._beat()
+
+
+def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -> None:
+    """Tick each agent when it is due or its change watch fired."""
+    import heapq
+
+    heap = [(0.0, i) for i in range(len(agents))]
+    heapq.heapify(heap)
+    while not stop.is_set():
+        now = time.monotonic()
+        if kick.is_set():
+            kick.clear()
+            for i, a in enumerate(agents):
+                if a.changed():
+                    heapq.heappush(heap, (a.tick(now), i))
+        while heap and heap[0][0] <= now:
+            _, i = heapq.heappop(heap)
+            heapq.heappush(heap, (agents[i].tick(now), i))
+        kick.wait(max(0.001, min(1.0, heap[0][0] - time.monotonic() if heap else 1.0)))
+
+
+def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event) -> None:
+    """Every agent's keep-alive once per interval, spread over it."""
+    from flexrun.errors import StoreError
+
+    while not stop.is_set():
+        t0 = time.monotonic()
+        for k, a in enumerate(agents):
+            with contextlib.suppress(StoreError):  # (retried at the next beat, as the handler's)
+                a.beat()
+            delay = t0 + interval_s * (k + 1) / len(agents) - time.monotonic()
+            if delay > 0 and stop.wait(delay):
                 return
 
 
 class TorchAgent:
-    """One agent of torch's own DynamicRendezvousHandler over the c10d backend."""
+    """One agent of torch's own DynamicRendezvousHandler over the c10d backend (a thread
+    each: ``next_rendezvous`` blocks)."""
 
-    def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None]) -> None:
+    def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None],
+                 kick: threading.Event) -> None:
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -265,6 +352,9 @@ class TorchAgent:
 
 
 # -- one process --------------------------------------------------------------------------------
+STEPPERS = 2  # stepper threads per process
+
+
 def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, results: Any) -> None:
     """K agents in this process; obeys ``commands`` until ``stop``."""
     threading.stack_size(512 * 1024)
@@ -276,14 +366,28 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
     def report(kind: str, *payload: Any) -> None:
         results.put((kind, idx, *payload))
 
-    cls = TorchAgent if cfg["backend"] == "torch" else Agent
+    torch_mode = cfg["backend"] == "torch"
+    kicks = [threading.Event() for _ in range(STEPPERS)]
     agents: dict[int, Any] = {}
     try:
-        for aid in ids:
-            agents[aid] = cls(aid, cfg, report)
-            agents[aid].thread.start()
+        for n, aid in enumerate(ids):
+            cls = TorchAgent if torch_mode else Agent
+            agents[aid] = cls(aid, cfg, report, kicks[n % STEPPERS])
+            if torch_mode:
+                agents[aid].thread.start()
     except Exception as exc:  # noqa: BLE001
         report("error", -1, f"setup: {type(exc).__name__}: {exc}"[:300])
+    stop = threading.Event()
+    threads = []
+    if not torch_mode:
+        mine = [agents[a] for a in ids if a in agents]
+        for k in range(STEPPERS):
+            threads.append(threading.Thread(target=stepper, args=(mine[k::STEPPERS], kicks[k], stop),
+                                            daemon=True, name=f"stepper-{k}"))
+        threads.append(threading.Thread(target=keepalives, args=(mine, cfg["hb_interval_s"], stop),
+                                        daemon=True, name=HB_THREAD))
+        for t in threads:
+            t.start()
     report("ready", len(agents))
     while True:
         cmd, *args = commands.get()
@@ -291,6 +395,8 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
             for aid in args[0]:
                 if aid in agents:
                     agents[aid].go.set()
+            for kick in kicks:
+                kick.set()
         elif cmd == "kill":
             if args[0] in agents:
                 agents[args[0]].kill()
@@ -298,10 +404,11 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
         elif cmd == "snapshot":
             report("snapshot", args[0], {aid: a.counter.snapshot() for aid, a in agents.items()})
         elif cmd == "stop":
+            stop.set()
             for a in agents.values():
                 a.dead.set()
                 with contextlib.suppress(Exception):
-                    a.h.shutdown() if cls is TorchAgent else a.h._stop.set()
+                    a.h.shutdown() if torch_mode else a.h._stop.set()
             report("stopped")
             break
     sys.stdout.flush()

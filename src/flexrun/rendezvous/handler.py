@@ -73,6 +73,7 @@ class RendezvousHandler:
         self.store = store
         self.keys = Keys(run_id)
         self.me = me
+        self._me_raw = me.encode()
         self.settings = settings
         self.events = events
         self.clock = clock
@@ -126,9 +127,7 @@ class RendezvousHandler:
         # The keep-alive carries the node record: a store that lost the record (restarted)
         # still knows the node from its next beat.
         self.store.put(
-            self.keys.heartbeat(self.me.node_id),
-            self.me.encode(),
-            ttl_s=self.settings.heartbeat_timeout_s,
+            self.keys.heartbeat(self.me.node_id), self._me_raw, ttl_s=self.settings.heartbeat_timeout_s
         )
 
     def leave(self) -> None:

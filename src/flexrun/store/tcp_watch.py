@@ -14,9 +14,11 @@ keep-alives included: with thousands of waiters that is the N^2 the rendezvous a
 A count that went down means the server restarted: a change is reported.
 
 Precision. :meth:`ChangeLog.revision` looks for writes still in flight among the newest
-``_RECENT`` revisions only (a check costs a name per revision). A watch with a token does
-not depend on it (a write that lands late rings late); a cached ``get_prefix`` re-reads
-everything at least every ``FULL_READ_S`` (``flexrun.store.tcp``), which bounds how long a
+``_NEWEST`` revisions only, and a cached ``get_prefix`` among the newest ``_RECENT`` (a check
+costs a name per revision; with thousands of writers a wider search cost each reader more
+than the rest of its reads together). A watch does not depend on it: a write that lands
+late rings late, and a watch without a token waits on the ring after its scan too. A cached
+``get_prefix`` re-reads everything at least every ``FULL_READ_S``, which bounds how long a
 write that landed later than that stays unseen.
 """
 
@@ -44,7 +46,8 @@ IN_FLIGHT_S = 1.0
 SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
 FULL_READ_S = 5.0  # a kept get_prefix is read in full again at least this often
 BATCH = 512  # keys per multi_get request
-_RECENT = 64  # how many of the newest revisions revision() checks for writes in flight
+_RECENT = 64  # how many of the newest revisions a cached get_prefix checks for writes in flight
+_NEWEST = 8  # how many revision() checks (a watch does not depend on it, see Precision)
 
 
 def dir_of(prefix: str) -> str:
@@ -87,18 +90,25 @@ class ChangeLog:
         and a watch from there would skip it; so report the revision just below the oldest
         write still in flight (one abandoned for IN_FLIGHT_S by a dead writer is ignored).
         """
+        return self._revision(_NEWEST)
+
+    def _revision(self, window: int) -> int:
+        """:meth:`revision`, looking for writes in flight among the newest ``window`` (the
+        precise window also skips what an earlier precise call found complete)."""
         c = self._c()
         with self._seen_lock:
             dirs = sorted(self._watched_dirs)
         rings = {d: int(self._call(c.add, f"{_CH_COUNT}{d}", 0)) for d in dirs}
         current = int(self._call(c.add, _REV_KEY, 0))
+        precise = window >= _RECENT
         with self._seen_lock:
             if current < self._complete:
                 self._complete = 0  # a restarted server counts from 1 again
-            lo = max(1, current - _RECENT + 1, self._complete + 1)
+            lo = max(1, current - window + 1, self._complete + 1 if precise else 1)
         rev = self._logged_up_to(lo, current, self._in_flight)
         with self._seen_lock:
-            self._complete = max(self._complete, rev)
+            if precise:
+                self._complete = max(self._complete, rev)
             if rings:
                 self._tokens[rev] = rings
                 self._tokens.move_to_end(rev)
@@ -159,7 +169,7 @@ class ChangeLog:
         again, and everything at least every FULL_READ_S."""
         c = self._c()
         client = self.client
-        at = self.revision()  # every write up to here has landed and is logged
+        at = self._revision(_RECENT)  # every write up to here has landed and is logged
         with self._seen_lock:
             snap = client._snapshots.get(prefix)
         raws: dict[str, bytes] | None = None
