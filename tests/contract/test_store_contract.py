@@ -1,4 +1,4 @@
-"""One contract, every store backend (memory, tcp; etcd joins when it exists)."""
+"""One contract, every store backend: memory, tcp and etcd (a real etcd server)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,6 @@ def _etcd() -> Iterator[Store]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"{MISSING}; CI must run the etcd contract tests")
         pytest.skip(MISSING)
-    if os.environ.get("CI") != "true":  # in CI a missing etcd3gw must fail, not skip
-        pytest.importorskip(
-            "etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')"
-        )
     from flexrun.store.etcd import EtcdStore
 
     with tempfile.TemporaryDirectory() as root, EtcdCluster(Path(root)) as cluster:
@@ -81,7 +77,8 @@ def test_compare_and_set_creates_only_when_absent(store: Store) -> None:
     ok, entry = store.compare_and_set("k", b"first", expected_revision=0)
     assert ok and entry is not None and entry.value == b"first"
     ok2, current = store.compare_and_set("k", b"second", expected_revision=0)
-    assert not ok2 and current is not None and current.value == b"first"
+    assert not ok2 and current is None  # a lost compare-and-set never returns the value
+    assert store.get("k").value == b"first"  # type: ignore[union-attr]
 
 
 def test_compare_and_set_succeeds_only_on_the_current_revision(store: Store) -> None:
@@ -89,7 +86,7 @@ def test_compare_and_set_succeeds_only_on_the_current_revision(store: Store) -> 
     ok, e = store.compare_and_set("k", b"v2", expected_revision=rev)
     assert ok and e is not None
     stale, current = store.compare_and_set("k", b"v3", expected_revision=rev)
-    assert not stale and current is not None and current.value == b"v2"
+    assert not stale and current is None
     assert store.get("k").value == b"v2"  # type: ignore[union-attr]
 
 
@@ -132,15 +129,19 @@ def test_get_prefix_returns_only_matching_live_keys(store: Store) -> None:
 
 
 def test_a_keep_alive_key_expires_unless_refreshed(store: Store) -> None:
-    store.put("hb/a", b"1", ttl_s=0.6)
-    store.put("hb/b", b"1", ttl_s=0.6)
+    # (1 s: etcd's leases count whole seconds; the test server's minimum TTL is 1 s.)
+    store.put("hb/a", b"1", ttl_s=1.0)
+    store.put("hb/b", b"1", ttl_s=1.0)
     assert set(store.get_prefix("hb/")) == {"hb/a", "hb/b"}
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:
-        store.put("hb/b", b"1", ttl_s=0.6)
-        store.get_prefix("hb/")
+    deadline = time.monotonic() + 4.0
+    seen: set[str] = {"hb/a", "hb/b"}
+    while time.monotonic() < deadline and "hb/a" in seen:
+        store.put("hb/b", b"1", ttl_s=1.0)
+        seen = set(store.get_prefix("hb/"))
+        assert "hb/b" in seen
         time.sleep(0.1)
-    assert set(store.get_prefix("hb/")) == {"hb/b"}
+    assert seen == {"hb/b"}
+    assert store.get("hb/a") is None and store.get("hb/b") is not None
 
 
 def test_wait_for_change_wakes_on_a_write_under_the_prefix_only(store: Store) -> None:
@@ -222,3 +223,54 @@ def test_wait_for_change_wakes_on_a_write_in_a_subdirectory_or_a_partial_name(
     t.join()
     assert changed
     assert store.get(key) is not None
+
+
+def test_compare_and_set_after_a_read_by_another_client_sees_the_current_revision(
+    store: Store,
+) -> None:
+    rev = store.put("cas/k", b"v1")
+    store.put("cas/k", b"v2")  # the revision moved on: a CAS on the old one loses
+    assert store.compare_and_set("cas/k", b"x", expected_revision=rev) == (False, None)
+    cur = store.get("cas/k")
+    assert cur is not None
+    ok, entry = store.compare_and_set("cas/k", b"v3", expected_revision=cur.revision)
+    assert ok and entry is not None and entry.revision > cur.revision
+    assert store.get("cas/k").value == b"v3"  # type: ignore[union-attr]
+
+
+def test_put_many_writes_every_key_and_wakes_watchers(store: Store) -> None:
+    since = store.revision()
+    items = {f"batch/{i:04d}": f"v{i}".encode() for i in range(700)}  # over one request's worth
+    rev = store.put_many(items)
+    assert rev >= since + 1 and store.put_many({}) == 0
+    got = store.get_prefix("batch/")
+    assert {k: e.value for k, e in got.items()} == items
+    assert max(e.revision for e in got.values()) == rev
+    changed, _ = store.wait_for_change("batch/", since, timeout_s=5)
+    assert changed
+
+
+def test_delete_prefix_removes_only_that_prefix(store: Store) -> None:
+    store.put_many({"gone/a": b"1", "gone/b/c": b"2", "gonex": b"3", "kept/a": b"4"})
+    assert len(store.get_prefix("gone/")) == 2
+    store.delete_prefix("gone/")
+    store.delete_prefix("gone/")  # nothing left: not an error
+    assert store.get("gone/a") is None and store.get("gone/b/c") is None
+    assert store.get_prefix("gone/") == {}
+    assert store.get("gonex") is not None and store.get("kept/a") is not None
+    ok, _ = store.compare_and_set("gone/a", b"new", expected_revision=0)
+    assert ok
+    with pytest.raises(ValueError):
+        store.delete_prefix("")
+
+
+def test_a_directory_watch_after_a_read_wakes_on_the_next_write_only(store: Store) -> None:
+    """The rendezvous reads (revision first), then waits: the second wait of a watcher
+    must still see a write made right after its read, and time out without one."""
+    store.wait_for_change("dirw/", store.revision(), timeout_s=0.05)  # (registers the watch)
+    since = store.revision()
+    assert store.get("dirw/k") is None
+    store.put("elsewhere/k", b"0")
+    assert not store.wait_for_change("dirw/", since, timeout_s=0.3)[0]
+    store.put("dirw/k", b"1")
+    assert store.wait_for_change("dirw/", since, timeout_s=5)[0]

@@ -30,12 +30,6 @@ def _require_etcd() -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"{MISSING}; CI must run the etcd integration tests")
         pytest.skip(MISSING)
-    if os.environ.get("CI") == "true":
-        import etcd3gw  # noqa: F401  (in CI a missing etcd extra must fail, not skip)
-    else:
-        pytest.importorskip(
-            "etcd3gw", reason="the etcd extra is not installed (pip install 'flexrun[etcd]')"
-        )
 
 
 def _etcd(tmp: Path, size: int) -> Iterator[EtcdCluster]:

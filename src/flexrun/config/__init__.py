@@ -7,9 +7,21 @@ frozen dataclasses that library code receives (it never reads the environment it
 Modules: :mod:`.settings` (the dataclasses), :mod:`.build` (flags -> RunConfig),
 :mod:`.parsing` (value syntax), :mod:`.rdzv_conf` (``--rdzv-conf`` keys), :mod:`.topology`
 (one host, elastic or static), :mod:`.netaddr` (the address peers reach), :mod:`.numa`,
-:mod:`.plugins` (torchrun's entry points). It does not act on the configuration.
+:mod:`.plugins` (torchrun's entry points), :mod:`.credentials` (job secret, etcd password,
+keep-alive defaults). It does not act on the configuration.
 """
 
+from flexrun.config.credentials import (
+    ETCD_PASSWORD_ENV,
+    ETCD_PASSWORD_ENV_FILE,
+    KEEPALIVES_PER_S,
+    SECRET_ENV,
+    SECRET_ENV_FILE,
+    generated_secret,
+    keepalive_defaults,
+    read_secret_file,
+    store_credentials,
+)
 from flexrun.config.settings import (
     BACKENDS,
     BACKENDS_ETCD,
@@ -36,6 +48,15 @@ from flexrun.config.settings import (
 )
 
 __all__ = [
+    "ETCD_PASSWORD_ENV",
+    "ETCD_PASSWORD_ENV_FILE",
+    "KEEPALIVES_PER_S",
+    "SECRET_ENV",
+    "SECRET_ENV_FILE",
+    "generated_secret",
+    "keepalive_defaults",
+    "read_secret_file",
+    "store_credentials",
     "BACKENDS",
     "BACKENDS_ETCD",
     "BACKENDS_TCP",

@@ -15,10 +15,12 @@ import re
 import sys
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from flexrun.config import netaddr, numa, plugins
+from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
     parse_duration,
@@ -165,9 +167,11 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     """
     a: dict[str, Any] = {k: v for k, v in vars(ns).items() if k != "environ"}
     a["rdzv_id_given"] = _given(a, environ, "rdzv_id")
-    raw_conf = parse_kv(a["rdzv_conf"] or "")
+    raw_conf, secret, password = store_credentials(parse_kv(a["rdzv_conf"] or ""), environ)
     shape = _shape(a, environ, None)
-    conf = parse_rdzv_conf(raw_conf, etcd=shape.backend.startswith("etcd"))
+    conf = parse_rdzv_conf(
+        raw_conf, etcd=shape.backend.startswith("etcd"), max_nodes=shape.max_nodes
+    )
     if conf.is_host is not None:
         shape = _shape(a, environ, conf.is_host)
     for line in conf.warnings:
@@ -196,6 +200,8 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         connect_timeout_s=conf.connect_timeout_s,
         op_timeout_s=conf.read_timeout_s,
         conf=dict(conf.backend_conf),
+        secret=secret,
+        password=password,
     )
     run_id = _run_id(a, shape)
     run_dir = Path(a["run_dir"]) if a.get("run_dir") else Path("flexrun-runs") / run_id
@@ -208,6 +214,15 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     module = bool(a["module"]) and not run_path
     no_python = bool(a["no_python"]) and not run_path
     mode = resolve_mode(str(a["mode"]), a["training_script"], module=module or no_python)
+    if bool(a.get("standalone")) and secret is None and mode != "live":
+        store = replace(store, secret=generated_secret())
+    if mode == "live" and secret is not None:
+        # Live workers open the store themselves (flexrun.train.live_group) and do not sign
+        # yet: store.factory.connect_from_env is their signing client, to be wired in.
+        raise ConfigError(
+            "--mode live with a job secret: live workers cannot authenticate store records "
+            "yet; run restart mode, or live mode without FLEXRUN_JOB_SECRET_FILE/secret_file"
+        )
     spares_raw = a["warm_spares"]
     spares = (
         _int(spares_raw, "--warm-spares")

@@ -11,7 +11,7 @@ torchrun's keys and what they become:
 ``timeout``               ``join_timeout`` when that is not given (torch's etcd and static
                           backends' total rendezvous timeout; its c10d backend ignores it).
 ``last_call_timeout``     the same; flexrun's default is 1 s (torchrun: 30 s).
-``keep_alive_interval``   ``heartbeat_interval`` (flexrun 1 s, torchrun 5 s).
+``keep_alive_interval``   ``heartbeat_interval`` (flexrun max(1 s, MAX nodes / 2000 s), torchrun 5 s).
 ``keep_alive_max_attempt`` ``heartbeat_timeout`` = interval x attempts (a node is lost after
                           that many missed keep-alives; 1 is taken as 1.5 intervals).
 ``read_timeout``          the store's per-operation timeout (tcp: ``op_timeout_s``; etcd:
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from flexrun.config.credentials import keepalive_defaults
 from flexrun.config.parsing import parse_duration
 from flexrun.errors import ConfigError
 
@@ -102,8 +103,9 @@ def _dur(conf: Mapping[str, str], key: str, *, positive: bool = False) -> float 
     return parse_duration(conf[key], f"--rdzv-conf {key}=", positive=positive)
 
 
-def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool) -> ParsedConf:
-    """Resolve ``conf`` (from :func:`flexrun.config.parsing.parse_kv`) for an etcd or tcp store.
+def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) -> ParsedConf:
+    """Resolve ``conf`` (from :func:`flexrun.config.parsing.parse_kv`) for an etcd or tcp store
+    of a job of up to ``max_nodes`` nodes (the keep-alive defaults scale with it).
 
     Raises:
         ConfigError: a bad value (a non-finite or negative duration, a bad boolean,
@@ -125,7 +127,8 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool) -> ParsedConf:
             "--rdzv-conf heartbeat_interval and keep_alive_interval are the same setting; give one"
         )
     interval = interval if interval is not None else keep_alive
-    hb_interval = interval if interval is not None else 1.0
+    default_interval, default_timeout = keepalive_defaults(max_nodes)
+    hb_interval = interval if interval is not None else default_interval
     hb_timeout = _dur(conf, "heartbeat_timeout", positive=True)
     if "keep_alive_max_attempt" in conf:
         raw = conf["keep_alive_max_attempt"].strip()
@@ -136,7 +139,7 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool) -> ParsedConf:
         if hb_timeout is None:
             hb_timeout = hb_interval * max(int(raw), 1.5)
     if hb_timeout is None:
-        hb_timeout = max(5.0, hb_interval * 3) if interval is not None else 5.0
+        hb_timeout = max(5.0, hb_interval * 3) if interval is not None else default_timeout
     join = _dur(conf, "join_timeout")
     timeout = _dur(conf, "timeout")
     if join is None:

@@ -119,6 +119,12 @@ class StoreSettings:
     backend's default."""
     conf: Mapping[str, str] = field(default_factory=dict)
     """Remaining --rdzv-conf options, passed to the backend (e.g. TLS for etcd)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The job secret that authenticates every record (see
+    :func:`flexrun.config.credentials.store_credentials`); ``flexrun.store.factory.connect``
+    then returns a signing store."""
+    password: str | None = field(default=None, repr=False)
+    """The etcd user's password (``--rdzv-conf user=NAME``), never from the command line."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

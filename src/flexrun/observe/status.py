@@ -20,8 +20,9 @@ from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError, RendezvousError
-from flexrun.rendezvous.state import Keys, MasterRecord, NodeRecord, RoundRecord
+from flexrun.rendezvous.state import Keys, MasterRecord, NodeRecord, RoundRecord, with_loader
 from flexrun.store.api import Store
+from flexrun.store.signed import MAGIC, is_signed
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,16 @@ def read_status(
         ids = known_run_ids(store)
         where = f"; jobs in this store: {', '.join(ids)}" if ids else "; the store holds no jobs"
         raise ConfigError(f"--rdzv-id {run_id!r}: no such job in the store{where}")
-    rnd = RoundRecord.decode(round_entry.value) if round_entry is not None else None
+    if round_entry is not None and round_entry.value.startswith(MAGIC) and not is_signed(store):
+        raise ConfigError(
+            f"job {run_id!r} authenticates its store records: give status the job's secret "
+            "(--rdzv-conf secret_file=PATH or FLEXRUN_JOB_SECRET_FILE)"
+        )
+    rnd = (
+        with_loader(store, keys, RoundRecord.decode(round_entry.value))
+        if round_entry is not None
+        else None
+    )  # (the member list is read from its chunks: status is the one reader that needs it)
     records: dict[str, NodeRecord] = {}
     for entry in node_entries.values():
         rec = NodeRecord.decode(entry.value)
@@ -260,7 +270,14 @@ def store_settings_from_args(
     Raises:
         ConfigError: bad backend, endpoint or conf.
     """
-    from flexrun.config import BACKENDS, StoreSettings, parse_endpoint, parse_kv
+    from flexrun.config import (
+        BACKENDS,
+        StoreSettings,
+        parse_endpoint,
+        parse_kv,
+        process_environ,
+        store_credentials,
+    )
 
     backend = backend.strip().lower()
     if backend not in BACKENDS:
@@ -270,6 +287,7 @@ def store_settings_from_args(
     if not endpoint:
         raise ConfigError("--rdzv-endpoint is required: the store's HOST:PORT (the job's value)")
     conf: dict[str, str] = dict(parse_kv(conf_text)) if conf_text else {}
+    conf, secret, password = store_credentials(conf, process_environ())
     timeout = connect_timeout_s
     if "connect_timeout" in conf:
         try:
@@ -282,6 +300,8 @@ def store_settings_from_args(
         host_store=False,
         connect_timeout_s=timeout,
         conf=conf,
+        secret=secret,
+        password=password,
     )
 
 

@@ -1,9 +1,10 @@
-"""Pure rendezvous decisions: ``(view of the store, now) -> action``.
+"""Pure rendezvous decisions of the watcher: ``(view of the store, now) -> action``.
 
 Owns the membership rules of ARCHITECTURE.md (rounds, MIN:MAX, last call, stable ranks,
-loss detection, scale-up, closing). It performs no I/O and reads no clock: the handler
-builds a :class:`View`, calls :func:`decide`, and carries out the action. Unit tests
-drive it with hand-made views and a fake ``now``.
+loss detection, scale-up, closing) as the one node that watches membership applies them
+(:mod:`flexrun.rendezvous.follow` has the other nodes' rules). It performs no I/O and
+reads no clock: the handler builds a :class:`View`, calls :func:`decide`, and carries out
+the action. Unit tests drive it with hand-made views and a fake ``now``.
 """
 
 from __future__ import annotations
@@ -144,20 +145,24 @@ def counted_failure(
     return dataclasses.replace(current, restarts=restarts, exit_code=0)
 
 
-def watches_membership(view: View) -> bool:
-    """Whether this agent must be woken by every node record that changes.
-
-    One watcher suffices: the alive node that joined first (it proposes a round as soon
-    as one can form); every other agent watches only the round record and reads the node
-    records when it steps anyway (at least every monitor interval). Which agent decides
-    is unchanged (any may propose; compare-and-set picks one), so this affects only how
-    soon an agent looks, never what it decides. An agent that does not see itself alive
-    watches everything, to be safe.
-    """
-    if view.me not in view.alive:
-        return True
-    first = min(view.alive, key=lambda n: (view.alive[n][1], n))
-    return first == view.me
+def failure_round(
+    current: RoundRecord,
+    settings: RendezvousSettings,
+    cause: FailureCause | None,
+    *,
+    floor: int = 0,
+) -> RoundRecord:
+    """Restart mode: the round after a worker failure, with the same members (their
+    member list, and so its slices, are reused: any node can propose it with one
+    compare-and-set); the watcher removes a member that is also gone in a round of its
+    own. The job's FAILED round once restarts are spent."""
+    number = max(current.number, floor) + 1
+    restarts = current.restarts + 1
+    if restarts > settings.max_restarts:
+        return _exhausted(number, restarts, cause)
+    return dataclasses.replace(
+        current, number=number, restarts=restarts, reason="failure", exit_code=0, root_cause=cause
+    )
 
 
 def _eligible(view: View) -> Mapping[str, tuple[NodeRecord, int]]:

@@ -1,32 +1,36 @@
-"""Carries out rendezvous decisions against a store: join, keep-alive, propose, close.
+"""Carries out rendezvous decisions against a store: join, keep-alive, follow, close.
 
-Owns every store access of the rendezvous and the local bookkeeping the pure decisions
-need (when the set of alive nodes last changed). It does not decide (``decide.py``) and
-does not touch processes (the agent does).
+Owns every store access of a node's rendezvous outside the watcher role
+(:mod:`flexrun.rendezvous.watcher`): reading the round header (and rejecting an older
+one than seen), its own slice, who the watcher is and whether it lives, claiming the
+watcher role, the keep-alive, the per-round master address, failure reports and closing.
+It does not decide (``decide.py``, ``follow.py``) and does not touch processes.
+
+Cost per node and round, at any N: a follower reads the header and its slice (and, every
+``max(heartbeat_interval, heartbeat_timeout / 2)``, the watcher's claim and keep-alive);
+it never reads the member list, node records or other keep-alives. A failure report,
+closing the job and counting a live failure rewrite the header alone (the member list and
+its slices are reused), so any node may do them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
-from flexrun.errors import RendezvousTimeout, StoreError
+from flexrun.errors import RendezvousError, RendezvousTimeout, StoreError
 from flexrun.events import EventLog
-from flexrun.rendezvous.decide import (
-    Action,
-    Propose,
-    Run,
-    View,
-    Wait,
-    counted_failure,
-    decide,
-    next_round,
-    watches_membership,
-)
+from flexrun.rendezvous.changewatch import ChangeWatch
+from flexrun.rendezvous.claims import Claims
+from flexrun.rendezvous.decide import Action, Run, Wait, counted_failure, failure_round
+from flexrun.rendezvous.follower import Follower
+from flexrun.rendezvous.keepalive import KeepAlive
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
@@ -37,9 +41,12 @@ from flexrun.rendezvous.state import (
     NodeRecord,
     RoundRecord,
 )
+from flexrun.rendezvous.watcher import Watcher
 from flexrun.store.api import Store
+from flexrun.store.signed import is_signed, report_to
 
 log = logging.getLogger("flexrun.rendezvous")
+
 
 
 def free_port(addr: str) -> int:
@@ -66,27 +73,37 @@ class RendezvousHandler:
         self.store = store
         self.keys = Keys(run_id)
         self.me = me
+        self._me_raw = me.encode()
         self.settings = settings
         self.events = events
         self.clock = clock
         self.round: RoundRecord | None = None
-        self._known_round: RoundRecord | None = None
-        self._floor = 0  # the highest round number seen: new rounds are numbered above it
-        self._known_master: tuple[int, MasterRecord] | None = None
-        self._settle_until = 0.0
-        self._round_rev = 0
+        self.known_round: RoundRecord | None = None
+        self.floor = 0  # the highest round number seen: new rounds are numbered above it
+        self.max_seq = 0  # the highest header write sequence seen
+        self._newest = (0, 0)  # (number, seq) of the newest header seen: older ones are replays
+        self._header: RoundRecord | None = None
+        self.replayed = False
+        self.settle_until = 0.0
         self._since_rev = 0
-        self._watch_all = True  # see watches_membership
-        self._alive_set: frozenset[str] = frozenset()
-        # Keep-alives this agent has seen: node -> (first revision seen, seen renewed since).
-        # Only where readers judge TTLs themselves (tcp): see View.unconfirmed.
-        self._beats_seen: dict[str, tuple[int, bool]] = {}
-        self._judges_ttl = bool(getattr(store, "judges_ttl_locally", False))
-        self._candidates_since = clock.monotonic()
+        self._known_master: tuple[int, MasterRecord] | None = None
+        self._claims = Claims(self)
+        self._watcher = Watcher(self)
+        self._follower = Follower(self)
+        self._quiet = False  # the last wait saw no change: the next step needs no read
+        self.judges_ttl = bool(getattr(store, "judges_ttl_locally", False))
         self._joined_at = clock.monotonic()
         self._stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-        self._hb_failing = False
+        self._keepalive = KeepAlive(self._beat, settings.heartbeat_interval_s, self._stop)
+        self._changes = ChangeWatch(store, self._stop)
+        report_to(store, self.rejected)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def rejected(self, key: str, reason: str) -> None:
+        self.events.emit("store_record_rejected", key=key, reason=reason)
 
     # -- membership --------------------------------------------------------------------
     def join(self) -> None:
@@ -94,137 +111,124 @@ class RendezvousHandler:
         self._beat()
         self.store.put(self.keys.node(self.me.node_id), self.me.encode())
         self._joined_at = self.clock.monotonic()
-        self._hb_thread = threading.Thread(
-            target=self._heartbeat_loop, name="flexrun-heartbeat", daemon=True
-        )
-        self._hb_thread.start()
+        self._keepalive.start()
         self.events.emit(
             "node_joined", node_id=self.me.node_id, addr=self.me.addr, nproc=self.me.nproc
         )
+        if self.settings.max_nodes > 1 and not is_signed(self.store):
+            log.warning(
+                "THE RENDEZVOUS STORE IS NOT AUTHENTICATED: anyone who can reach it can join "
+                "this job, change its rounds or fail it. Give every node the same job secret "
+                "(--rdzv-conf secret_file=PATH or FLEXRUN_JOB_SECRET_FILE; chmod 600)."
+            )
+            self.events.emit("store_unauthenticated", node_id=self.me.node_id)
 
     def _beat(self) -> None:
+        # The keep-alive carries the node record: a store that lost the record (restarted)
+        # still knows the node from its next beat.
         self.store.put(
-            self.keys.heartbeat(self.me.node_id), b"1", ttl_s=self.settings.heartbeat_timeout_s
+            self.keys.heartbeat(self.me.node_id), self._me_raw, ttl_s=self.settings.heartbeat_timeout_s
         )
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_interval_s):
-            try:
-                self._beat()
-                if self._hb_failing:
-                    log.warning("store reachable again; keep-alive resumed")
-                    self._hb_failing = False
-            except StoreError as exc:
-                if not self._hb_failing:
-                    log.warning("keep-alive failed (will retry): %s", exc)
-                    self._hb_failing = True
-
     def leave(self) -> None:
-        """Stop the keep-alive and remove this node so the others re-form at once.
-        Idempotent: a preempted agent leaves early, and again on its way out."""
+        """Stop the keep-alive and remove this node so the others re-form at once (a
+        watcher first hands its role over). Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        self._changes.close()
+        self._keepalive.join(timeout_s=5)
         try:
+            if self.watching:
+                self._claims.hand_over()
             self.store.delete(self.keys.node(self.me.node_id))
             self.store.delete(self.keys.heartbeat(self.me.node_id))
         except StoreError as exc:
             log.warning("could not deregister from the store: %s", exc)
 
-    # -- reading and deciding ------------------------------------------------------------
-    def _read(self) -> tuple[RoundRecord | None, dict[str, tuple[NodeRecord, int]], frozenset[str]]:
-        self._since_rev = self.store.revision()
+    def reregister(self, now: float) -> None:
+        """The store lost this node's record (it restarted): register again."""
+        self.store.put(self.keys.node(self.me.node_id), self.me.encode())
+        self._beat()
+        self.settle_until = now + self.settings.heartbeat_timeout_s
+        self._joined_at = now  # the join timeout counts from this (re)join
+        self.events.emit("store_rejoined", node_id=self.me.node_id)
+        log.warning("the store lost this node's record (restarted?): registered again")
+
+    # -- the round header --------------------------------------------------------------
+    def read_header(self) -> tuple[RoundRecord | None, int]:
+        """The current header and its revision. An older header than this node has seen
+        (a replay) is rejected: the newest seen stands in for it (``replayed`` is set)."""
         entry = self.store.get(self.keys.round)
+        self.replayed = False
         if entry is None:
-            rnd, self._round_rev = None, 0
-        else:
-            rnd, self._round_rev = RoundRecord.decode(entry.value), entry.revision
-            self._floor = max(self._floor, rnd.number)
-        nodes = self.store.get_prefix(self.keys.nodes)
-        beats = self.store.get_prefix(self.keys.heartbeats)
-        alive: dict[str, tuple[NodeRecord, int]] = {}
-        registered = set()
-        for key, e in nodes.items():
-            node_id = key[len(self.keys.nodes) :]
-            registered.add(node_id)
-            if self.keys.heartbeat(node_id) in beats or (
-                node_id == self.me.node_id and not self._stop.is_set()
-            ):
-                # An agent that reads is alive, whatever its own keep-alive looks like (a
-                # keep-alive thread starved past the TTL must not make it drop itself);
-                # the others judge it by the keep-alive.
-                alive[node_id] = (NodeRecord.decode(e.value), e.revision)
-        if self._judges_ttl:
-            seen = {}
-            for node_id in alive:
-                beat = beats.get(self.keys.heartbeat(node_id))
-                rev = beat.revision if beat is not None else 0
-                first, renewed = self._beats_seen.get(node_id, (rev, node_id == self.me.node_id))
-                seen[node_id] = (first, renewed or rev != first)
-            self._beats_seen = seen  # a node that vanishes is unconfirmed when it returns
-        return rnd, alive, frozenset(registered)
+            return None, 0
+        try:
+            rnd = RoundRecord.decode(entry.value)
+        except RendezvousError as exc:
+            self.rejected(self.keys.round, f"corrupt: {exc}"[:200])
+            return self._header, entry.revision
+        if (rnd.number, rnd.seq) < self._newest:
+            self.replayed = True
+            self.rejected(self.keys.round, f"round {rnd.number} is older than round {self._newest[0]} (replayed)")
+            return self._header, entry.revision
+        self.note_header(rnd)
+        return rnd, entry.revision
 
-    def _unconfirmed(self) -> frozenset[str]:
-        return frozenset(n for n, (_, renewed) in self._beats_seen.items() if not renewed)
+    def note_header(self, rnd: RoundRecord) -> None:
+        self._newest = max(self._newest, (rnd.number, rnd.seq))
+        self.floor = max(self.floor, rnd.number)
+        self.max_seq = max(self.max_seq, rnd.seq)
+        if self._header is None or (rnd.number, rnd.seq) >= (self._header.number, self._header.seq):
+            self._header = rnd
 
-    def step(self, running: int | None) -> Action:
-        """Read the store, decide, and perform a proposal if that is the decision.
-
-        Returns the decided action; a performed proposal returns ``Wait`` so the caller
-        reads again (whether or not this agent's proposal won).
-        """
-        rnd, alive, registered = self._read()
-        now = self.clock.monotonic()
-        if self.me.node_id not in registered and not self._stop.is_set():
-            # The store lost our record (it restarted): register again.
-            self.store.put(self.keys.node(self.me.node_id), self.me.encode())
-            self._beat()
-            self._settle_until = now + self.settings.heartbeat_timeout_s
-            self._joined_at = now  # the join timeout counts from this (re)join
-            self.events.emit("store_rejoined", node_id=self.me.node_id)
-            log.warning("the store lost this node's record (restarted?): registered again")
-            rnd, alive, registered = self._read()
-        if rnd is None and running is not None and self._known_round is not None:
-            # The round we train in vanished with the store's state: restore it, so that a
-            # store restart costs the running job nothing (first writer wins, all agree).
-            self.store.compare_and_set(
-                self.keys.round, self._known_round.encode(), expected_revision=0
-            )
-            known = self._known_round.number
-            if self._known_master is not None and self._known_master[0] == known:
-                # A member still waiting for the round's address would wait for ever.
-                self.store.compare_and_set(
-                    self.keys.master(known), self._known_master[1].encode(), expected_revision=0
-                )
-            self._settle_until = now + self.settings.heartbeat_timeout_s
-            self.events.emit("round_restored", round=self._known_round.number)
-            rnd, alive, registered = self._read()
+    def set_round(self, rnd: RoundRecord | None) -> None:
         self.round = rnd
         if rnd is not None:
-            self._known_round = rnd
-        alive_set = frozenset(alive)
-        if alive_set != self._alive_set:
-            self._alive_set = alive_set
-            self._candidates_since = now
-        view = View(
-            me=self.me.node_id,
-            round=rnd,
-            alive=alive,
-            registered=registered,
-            running=running,
-            now=now,
-            candidates_since=self._candidates_since,
-            settle_until=self._settle_until,
-            floor=self._floor,
-            unconfirmed=self._unconfirmed(),
-        )
-        self._watch_all = watches_membership(view)
-        action = decide(view, self.settings)
-        if isinstance(action, Propose):
-            self._propose(action)
-            return Wait("proposed a new round")
+            self.known_round = rnd
+
+    def round_restored(self, rnd: RoundRecord) -> None:
+        self.settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
+        self.events.emit("round_restored", round=rnd.number)
+        known = rnd.number
+        if self._known_master is not None and self._known_master[0] == known:
+            # A member still waiting for the round's address would wait for ever.
+            self.store.compare_and_set(
+                self.keys.master(known), self._known_master[1].encode(), expected_revision=0
+            )
+
+    # -- deciding ------------------------------------------------------------------------
+    def step(self, running: int | None) -> Action:
+        """Read what this node's role needs, decide, and perform a proposal or a claim.
+
+        Returns the decided action; a performed proposal returns ``Wait`` so the caller
+        reads again (whether or not it won). A follower whose last :meth:`wait` saw no
+        change decides from what it read before, without a request (an agent steps every
+        monitor interval: 0.1 s).
+        """
+        now = self.clock.monotonic()
+        quiet, self._quiet = self._quiet, False
+        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled():
+            return self._checked(self._follower.again(running), running, now)
+        self._since_rev = self.store.revision()
+        hdr, rev = self.read_header()
+        now = self.clock.monotonic()
+        self._claims.update(hdr, rev, now)
+        if self.watching:
+            action = self._watcher.step(running, hdr, rev)
+        else:
+            action = self._follower.step(running, hdr, now)
+        self._changes.arm(self.watched_prefix(), self._since_rev)
+        return self._checked(action, running, now)
+
+    @property
+    def watching(self) -> bool:
+        """Whether this node is the watcher (reads membership and proposes rounds)."""
+        return self._claims.watching
+
+    def _checked(self, action: Action, running: int | None, now: float) -> Action:
+        """``action``, unless this node has waited longer than the join timeout for MIN nodes."""
+        rnd = self.round
         if (
             isinstance(action, Wait)
             and (rnd is None or rnd.state not in (CLOSED, FAILED))
@@ -233,44 +237,23 @@ class RendezvousHandler:
             and now - self._joined_at > self.settings.join_timeout_s
         ):
             raise RendezvousTimeout(
-                f"rendezvous timed out after {self.settings.join_timeout_s:g}s: {len(alive)} node(s) "
-                f"present, --nnodes MIN is {self.settings.min_nodes}; start more nodes or lower MIN"
+                f"rendezvous timed out after {self.settings.join_timeout_s:g}s: --nnodes MIN is "
+                f"{self.settings.min_nodes} and no round with that many nodes formed; start more "
+                "nodes or lower MIN"
             )
         return action
 
-    def _propose(self, p: Propose) -> bool:
-        ok, _ = self.store.compare_and_set(
-            self.keys.round, p.record.encode(), expected_revision=self._round_rev
-        )
-        if ok:
-            rec = p.record
-            self._floor = max(self._floor, rec.number)
-            for n in p.lost:
-                self.events.emit("node_lost", node_id=n, round=rec.number)
-            for n in p.left:
-                self.events.emit("node_left", node_id=n, round=rec.number)
-            if rec.reason == "scale_up":
-                self.events.emit(
-                    "scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members)
-                )
-            elif rec.reason in ("node_lost", "node_left"):
-                self.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
-            log.info(
-                "round %d proposed (%s): %s", rec.number, rec.reason, rec.member_ids or rec.state
-            )
-        return ok
-
+    # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
-        """What :meth:`wait` waits on: all rendezvous state, or only the round record."""
-        return self.keys.watched if self._watch_all else self.keys.round_dir
+        """What :meth:`wait` waits on: the watcher all of ``s/``, the others the round."""
+        return self.keys.watched if self.watching else self.keys.round_dir
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until the watched state may have changed, or ``timeout_s``.
-
-        Only the agent that watches membership is woken by node records; the others by
-        the round record (or the timeout, after which the caller steps anyway).
-        """
-        changed, _ = self.store.wait_for_change(self.watched_prefix(), self._since_rev, timeout_s)
+        """Block until the watched state may have changed since the last :meth:`step`, or
+        ``timeout_s``. One long store watch in the background serves every call (see
+        :mod:`flexrun.rendezvous.changewatch`): a short wait costs no request."""
+        changed = self._changes.wait(timeout_s)
+        self._quiet = not changed
         return changed
 
     # -- per-round master address ----------------------------------------------------------
@@ -279,10 +262,12 @@ class RendezvousHandler:
         key = self.keys.master(rnd.number)
         if rnd.group_rank(self.me.node_id) == 0:
             rec = MasterRecord(self.me.addr, free_port(self.me.addr))
-            ok, current = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
+            ok, _ = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
             if not ok:
-                assert current is not None
-                rec = MasterRecord.decode(current.value)
+                entry = self.store.get(key)
+                if entry is None:
+                    return None
+                rec = MasterRecord.decode(entry.value)
             self._known_master = (rnd.number, rec)
             return rec
         deadline = self.clock.monotonic() + timeout_s
@@ -302,69 +287,66 @@ class RendezvousHandler:
             remaining = deadline - self.clock.monotonic()
             if remaining <= 0:
                 return None
-            self.store.wait_for_change(self.keys.watched, rev, min(remaining, 1.0))
+            self.store.wait_for_change(self.keys.master_dir, rev, min(remaining, 1.0))
 
     # -- failure and completion --------------------------------------------------------------
-    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
-        """Start the next round after a worker failure (or end the job if restarts are spent)."""
+    def _with_mine(self, rnd: RoundRecord) -> RoundRecord:
+        if isinstance(rnd.members, tuple) and rnd.members:
+            return rnd
+        return self._follower.with_slice(rnd)
+
+    def _rewrite(self, make: Callable[[RoundRecord], RoundRecord | None]) -> RoundRecord | None:
+        """Compare-and-set the header to ``make(current)`` until it sticks; ``make`` returns
+        None when there is nothing to write (the current header is returned then). None:
+        the store lost the round."""
         while True:
-            rnd, alive, _ = self._read()
+            rnd, rev = self.read_header()
             if rnd is None:
-                return self._round_lost()
-            if rnd.number != failed_round or rnd.state != "running":
-                # Someone already moved on (another failure or a membership change).
-                return rnd
-            rec = next_round(
-                rnd,
-                alive,
-                self.settings,
-                "failure",
-                failure=True,
-                root_cause=root_cause,
-                floor=self._floor,
-            )
-            ok, _ = self.store.compare_and_set(
-                self.keys.round, rec.encode(), expected_revision=self._round_rev
-            )
+                return None
+            rec = make(rnd)
+            if rec is None:
+                return self._with_mine(rnd)
+            rec = dataclasses.replace(rec, seq=self.max_seq + 1)
+            ok, _ = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
             if ok:
-                self._floor = max(self._floor, rec.number)
-                return rec
+                self.note_header(rec)
+                return self._with_mine(rec)
+
+    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
+        """Start the next round after a worker failure (or end the job if restarts are
+        spent); a round someone already moved on from is returned as it is."""
+
+        def make(r: RoundRecord) -> RoundRecord | None:
+            if r.number != failed_round or r.state != RUNNING:
+                return None
+            return failure_round(r, self.settings, root_cause, floor=self.floor)
+
+        return self._rewrite(make) or self._round_lost()
 
     def _round_lost(self) -> RoundRecord:
         """The store lost the round record (it restarted) while this agent reported a
         failure: nothing to count it against; the next :meth:`step` forms a round above
         every one seen once the nodes have re-registered. Returns the round as last known."""
         log.warning("the store lost the round (restarted?) while reporting a failure: not counted")
-        self._settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
-        known = self._known_round
-        return known if known is not None else RoundRecord(self._floor, PENDING, (), 0, "lost")
+        self.settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
+        known = self.known_round
+        return known if known is not None else RoundRecord(self.floor, PENDING, (), 0, "lost")
 
     def count_failure(self, root_cause: FailureCause) -> RoundRecord:
         """Live mode: count a failure against --max-restarts without changing the round
         (survivors keep running); end the job if restarts are spent."""
-        while True:
-            rnd, _, _ = self._read()
-            if rnd is None:
-                return self._round_lost()
-            if rnd.state != RUNNING:
-                return rnd
-            rec = counted_failure(rnd, self.settings, root_cause)
-            ok, _ = self.store.compare_and_set(
-                self.keys.round, rec.encode(), expected_revision=self._round_rev
-            )
-            if ok:
-                self._floor = max(self._floor, rec.number)
-                return rec
+
+        def make(r: RoundRecord) -> RoundRecord | None:
+            return counted_failure(r, self.settings, root_cause) if r.state == RUNNING else None
+
+        return self._rewrite(make) or self._round_lost()
 
     def close(self, running_round: int) -> None:
         """Mark the job finished (no new rounds); idempotent."""
-        while True:
-            rnd, _, _ = self._read()
-            if rnd is None or rnd.state in (CLOSED, FAILED):
-                return
-            rec = RoundRecord(rnd.number, CLOSED, rnd.members, rnd.restarts, "finished")
-            ok, _ = self.store.compare_and_set(
-                self.keys.round, rec.encode(), expected_revision=self._round_rev
-            )
-            if ok:
-                return
+
+        def make(r: RoundRecord) -> RoundRecord | None:
+            if r.state in (CLOSED, FAILED):
+                return None
+            return dataclasses.replace(r, state=CLOSED, reason="finished", exit_code=0, root_cause=None)
+
+        self._rewrite(make)

@@ -1,17 +1,25 @@
 """The store protocol every rendezvous backend implements.
 
 Owns the contract only: revisions, compare-and-set, keys that expire unless refreshed,
-and a bounded wait for change. It does not know about rounds, nodes or ranks (that is
-``flexrun.rendezvous``). Values are bytes; callers store schema-versioned JSON, never
-pickles.
+batched writes and a bounded wait for change. It does not know about rounds, nodes or
+ranks (that is ``flexrun.rendezvous``) nor about authentication (``flexrun.store.signed``
+wraps any store). Values are bytes; callers store schema-versioned JSON, never pickles.
 
 Revisions are store-wide and increase with every write (etcd's ``mod_revision``; a
 counter on the tcp store). Revision 0 means "absent", so ``compare_and_set(...,
 expected_revision=0)`` creates a key only if it does not exist.
+
+Cost model (what the rendezvous at 10,000 nodes relies on): every call is O(size of what
+it returns or writes), except the reads and watches named below. A lost compare-and-set
+returns ``(False, None)``: the caller learns that it lost, never the winner's value (etcd
+transfers nothing; the tcp server's own compare-and-set answers with the current value, so
+callers keep compare-and-set values small). A repeated ``get_prefix`` of the same prefix
+transfers only what changed since the previous one (both backends keep a snapshot).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -48,13 +56,28 @@ class Store(Protocol):
         """Write unconditionally and return the new revision.
 
         With ``ttl_s`` the key is a keep-alive: it counts as absent once it has not been
-        written for ``ttl_s`` seconds (etcd: a lease; tcp: judged by the reader, who must
-        have watched the key unchanged for that long, so a key it sees for the first time
-        looks fresh for a full TTL: such a store sets a class attribute
-        ``judges_ttl_locally = True``, which the rendezvous reads with ``getattr``).
+        written for ``ttl_s`` seconds, and writing it again (same value, same ``ttl_s``)
+        refreshes it. Who judges expiry differs by backend: etcd attaches the key to a
+        lease that etcd expires (whole seconds, at least etcd's minimum TTL, checked every
+        500 ms; a refresh is a lease keep-alive that leaves the key's revision unchanged);
+        the tcp store lets each reader judge (it must have watched the key unchanged for
+        ``ttl_s``, so a key it sees for the first time looks fresh for a full TTL: such a
+        store sets a class attribute ``judges_ttl_locally = True``, which callers read
+        with ``getattr``).
 
         Raises:
             StoreUnavailable: the store cannot be reached.
+        """
+        ...
+
+    def put_many(self, items: Mapping[str, bytes]) -> int:
+        """Write several keys (no TTL) in as few requests as the backend allows; return
+        the highest new revision (0 for no items). Not atomic: a reader may see some of
+        them before the others, so write what must be complete first, then publish it
+        with one compare-and-set.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached (some keys may be written).
         """
         ...
 
@@ -63,7 +86,9 @@ class Store(Protocol):
     ) -> tuple[bool, Entry | None]:
         """Write only if the key's revision is ``expected_revision`` (0: key absent).
 
-        Returns ``(True, new_entry)`` on success, else ``(False, current_entry_or_None)``.
+        Returns ``(True, new_entry)`` on success, else ``(False, None)``: a lost
+        compare-and-set never hands back the current value (read it with :meth:`get`
+        when needed).
 
         Raises:
             StoreUnavailable: the store cannot be reached.
@@ -78,6 +103,16 @@ class Store(Protocol):
         """
         ...
 
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under ``prefix`` (which must not be empty). Meant for keys
+        nobody reads any more (a superseded round's slices): on the tcp store a reader of
+        one of them at that instant may wait out its op timeout.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached (some keys may be left).
+        """
+        ...
+
     def wait_for_change(
         self, prefix: str, since_revision: int, timeout_s: float
     ) -> tuple[bool, int]:
@@ -85,7 +120,8 @@ class Store(Protocol):
 
         Returns ``(changed, revision)``: pass ``revision`` as the next ``since_revision``.
         Spurious wake-ups are allowed (``changed`` may be True for a write that left the
-        value equal); a missed change is not.
+        value equal, or for a write in the same directory when ``prefix`` does not end
+        with ``/``); a missed change is not.
 
         Raises:
             StoreUnavailable: the store cannot be reached.

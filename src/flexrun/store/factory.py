@@ -1,36 +1,67 @@
 """Open a store client from :class:`flexrun.config.StoreSettings` (never hosts a server).
 
-Owns the choice of backend class and the one clear error when a backend is not installed.
-Hosting a tcp store is the agent's business (``flexrun.agent.launch``).
+Owns the choice of backend class, the one clear error when a backend is not installed,
+and authentication: with a job secret every client built here is a
+:class:`~flexrun.store.signed.SignedStore`, so no caller has to remember it. Hosting a
+tcp store is the agent's business (``flexrun.agent.launch``).
 """
 
 from __future__ import annotations
 
-from flexrun.config import BACKENDS_ETCD, StoreSettings
+from collections.abc import Mapping
+
+from flexrun.config import BACKENDS_ETCD, SECRET_ENV_FILE, StoreSettings, read_secret_file
 from flexrun.errors import ConfigError
 from flexrun.store.api import Store
+from flexrun.store.signed import SignedStore
 
 
 def connect(settings: StoreSettings, endpoint: tuple[str, int] | None = None) -> Store:
-    """A client of the configured store (tcp: ``endpoint`` overrides the first endpoint).
+    """A client of the configured store (tcp: ``endpoint`` overrides the first endpoint),
+    signing and verifying every record when ``settings.secret`` is set.
 
     Raises:
         StoreUnavailable: the endpoint does not answer within the connect timeout.
         ConfigError: the backend is not available in this installation.
     """
+    store: Store
     if settings.backend in BACKENDS_ETCD:
-        try:
-            from flexrun.store.etcd import EtcdStore
-        except ImportError as exc:
-            raise ConfigError(
-                f"--rdzv-backend {settings.backend}: the etcd backend is not available in this "
-                "installation (pip install 'flexrun[etcd]')"
-            ) from exc
-        return EtcdStore.from_settings(settings)
+        from flexrun.store.etcd import EtcdStore
+
+        store = EtcdStore.from_settings(settings)
+    else:
+        from flexrun.store.tcp import TcpStore
+
+        if endpoint is None:
+            if not settings.endpoints:
+                raise ConfigError("no store endpoint given (--rdzv-endpoint HOST:PORT)")
+            endpoint = settings.endpoints[0]
+        store = TcpStore(endpoint[0], endpoint[1], connect_timeout_s=settings.connect_timeout_s)
+    return SignedStore(store, settings.secret) if settings.secret is not None else store
+
+
+def connect_from_env(
+    host: str, port: int, environ: Mapping[str, str], *, connect_timeout_s: float = 30.0
+) -> Store:
+    """The tcp store client of a live-mode worker: signed with the job secret that the agent
+    passed as ``FLEXRUN_JOB_SECRET_FILE`` (a path, never the value), plain without one.
+
+    Raises:
+        StoreUnavailable: the store does not answer within ``connect_timeout_s``.
+        ConfigError: the secret file cannot be read.
+    """
     from flexrun.store.tcp import TcpStore
 
-    if endpoint is None:
-        if not settings.endpoints:
-            raise ConfigError("no store endpoint given (--rdzv-endpoint HOST:PORT)")
-        endpoint = settings.endpoints[0]
-    return TcpStore(endpoint[0], endpoint[1], connect_timeout_s=settings.connect_timeout_s)
+    store: Store = TcpStore(host, port, connect_timeout_s=connect_timeout_s)
+    path = environ.get(SECRET_ENV_FILE)
+    if path:
+        return SignedStore(store, read_secret_file(path))
+    return store
+
+
+def tcp_address(store: Store) -> tuple[str, int] | None:
+    """``(host, port)`` of a tcp store client (signed or not); None for other backends."""
+    from flexrun.store.tcp import TcpStore
+
+    inner = store.inner if isinstance(store, SignedStore) else store
+    return (inner.host, inner.port) if isinstance(inner, TcpStore) else None

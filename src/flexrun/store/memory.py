@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.store.api import Entry
@@ -18,6 +19,7 @@ class MemoryStore:
         self._rev = 0
         # Revision of the last write per key, kept for deletes too so watches see them.
         self._writes: list[tuple[int, str]] = []
+        self._forgotten = 0
         self._closed = False
 
     def _live(self, key: str) -> Entry | None:
@@ -34,6 +36,7 @@ class MemoryStore:
         self._rev += 1
         self._writes.append((self._rev, key))
         if len(self._writes) > 4096:
+            self._forgotten = self._writes[1023][0]  # writes up to here are no longer listed
             del self._writes[:1024]
         if value is None:
             self._data.pop(key, None)
@@ -71,8 +74,24 @@ class MemoryStore:
             current = self._live(key)
             current_rev = current.revision if current is not None else 0
             if current_rev != expected_revision:
-                return False, current
+                return False, None
             return True, self._write(key, bytes(value), None)
+
+    def put_many(self, items: Mapping[str, bytes]) -> int:
+        with self._cond:
+            rev = 0
+            for key, value in items.items():
+                entry = self._write(key, bytes(value), None)
+                assert entry is not None
+                rev = entry.revision
+            return rev
+
+    def delete_prefix(self, prefix: str) -> None:
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        with self._cond:
+            for key in [k for k in self._data if k.startswith(prefix)]:
+                self._write(key, None, None)
 
     def delete(self, key: str) -> None:
         with self._cond:
@@ -89,6 +108,8 @@ class MemoryStore:
         deadline = self._clock.monotonic() + timeout_s
         with self._cond:
             while True:
+                if since_revision < self._forgotten:
+                    return True, self._rev  # too far behind to tell: report a change
                 if any(r > since_revision and k.startswith(prefix) for r, k in self._writes):
                     return True, self._rev
                 remaining = deadline - self._clock.monotonic()

@@ -8,9 +8,11 @@ address matches the endpoint).
 Encoding. Every stored value is ``b"<revision> <ttl_or_->\\n" + payload``. Revisions come
 from one counter key incremented with ``add``. ``compare_and_set`` reads the current raw
 value and swaps it with ``TCPStore.compare_set``, which compares whole values, so the
-revision inside makes it a compare-and-set on revisions. Deletes write a tombstone
+revision inside makes it a compare-and-set on revisions; the raw value of the last read is
+kept, so a compare-and-set after a read is one request. Deletes write a tombstone
 (``"<rev> x\\n"``): ``TCPStore.get`` of a missing key blocks, so keys never disappear
-under a reader.
+under a reader; only :meth:`TcpStore.delete_prefix`, for keys nobody reads any more,
+removes keys from the server (without change events).
 
 Change notification. After each write attempt the writer sets ``__flexrun/ev/<rev>`` to
 the key it wrote (empty if the CAS lost): the event log, read in batches by watchers to
@@ -28,97 +30,44 @@ a blocking server-side wait, no polling, that writes elsewhere (another job, the
 keep-alives while the watcher watches ``s/``) do not wake. A writer logs its event, then
 reads the list, then rings: one that read the list before the watcher registered, or
 rang before the watcher read the counter, logged its event before the watcher scans the
-log, which finds it. A prefix with no ``/`` waits on the event log itself.
+log, which finds it. A prefix with no ``/`` waits on the event log itself. After the first
+wait, a watcher needs no log scan at all (wait tokens, :mod:`flexrun.store.tcp_watch`).
 
 Keep-alive keys are judged by each reader: a key written with ``ttl_s`` is absent once
 this client has seen its revision unchanged for ``ttl_s`` seconds of its own monotonic
 clock, which needs no agreement between hosts' clocks.
 """
 
+
 from __future__ import annotations
 
-import os
-import socket
 import threading
+from collections import OrderedDict
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import StoreTimeout, StoreUnavailable
 from flexrun.store.api import Entry
+from flexrun.store.tcp_server import TcpStoreServer, dist, probe
+from flexrun.store.tcp_watch import (
+    _CH_COUNT,
+    _CH_PREFIX,
+    _EV_PREFIX,
+    _INTERNAL,
+    _REV_KEY,
+    BATCH,
+    EVENT_WINDOW,
+    ChangeLog,
+    dir_of,
+)
 
-_REV_KEY = "__flexrun/rev"
-_EV_PREFIX = "__flexrun/ev/"
-_CH_COUNT = "__flexrun/chn/"
-_EPOCH_KEY = "__flexrun/epoch"
 _WATCHED_KEY = "__flexrun/watched"
-_CH_PREFIX = "__flexrun/ch/"
-EVENT_WINDOW = 1024
 CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
-SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
-WAIT_STEP_S = 5.0  # longest single server-side wait (bounds a ring lost by a dead writer)
-IN_FLIGHT_S = 1.0
-_RECENT = 256  # how many of the newest revisions may still be in flight
+RAW_CACHE = 4096  # raw values kept for a compare-and-set without a read
 _TOMBSTONE = b"x"
-
-
-def _quiet_cpp_logs() -> None:
-    # c10d logs a warning for every expired TCPStore.wait; a bounded wait is normal here.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
-
-def _dist() -> Any:
-    _quiet_cpp_logs()
-    import torch.distributed as dist
-
-    return dist
-
-
-def probe(host: str, port: int, timeout_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
-    """Wait until something accepts TCP connections at ``host:port``.
-
-    Raises:
-        StoreUnavailable: nothing accepted within ``timeout_s`` (refused or unreachable).
-    """
-    deadline = clock.monotonic() + timeout_s
-    delay = 0.05
-    last: OSError | None = None
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, timeout_s))):
-                return
-        except OSError as exc:
-            last = exc
-        if clock.monotonic() + delay > deadline:
-            reason = last.strerror if last is not None and last.strerror else str(last)
-            raise StoreUnavailable(
-                f"cannot reach the rendezvous store at {host}:{port} ({reason}) after "
-                f"{timeout_s:g}s; start one with `flexrun store --host {host} --port {port}` "
-                "or check --rdzv-endpoint"
-            ) from last
-        clock.sleep(delay)
-        delay = min(delay * 2, 1.0)
-
-
-class TcpStoreServer:
-    """A ``TCPStore`` server in this process; lives until :meth:`close` or process exit."""
-
-    def __init__(self, host: str = "0.0.0.0", port: int = 0) -> None:
-        dist = _dist()
-        try:
-            self._server = dist.TCPStore(
-                host, port, None, True, timedelta(seconds=30), wait_for_workers=False
-            )
-        except (RuntimeError, OSError) as exc:
-            raise StoreUnavailable(
-                f"cannot host a store on {host}:{port}: {exc}".splitlines()[0]
-            ) from exc
-        self.port: int = self._server.port
-        self.host = host
-
-    def close(self) -> None:
-        # TCPStore has no explicit shutdown; dropping the last reference stops the server.
-        self._server = None
+_dir_of = dir_of
 
 
 def _encode(rev: int, ttl_s: float | None, payload: bytes) -> bytes:
@@ -129,11 +78,6 @@ def _encode(rev: int, ttl_s: float | None, payload: bytes) -> bytes:
 def _dirs(key: str) -> list[str]:
     """The directories above ``key`` (``a/b/c`` -> ``a/``, ``a/b/``): the channels it rings."""
     return [key[: i + 1] for i, ch in enumerate(key) if ch == "/"]
-
-
-def _dir_of(prefix: str) -> str:
-    """The directory whose channel rings for every key under ``prefix`` ("" for none)."""
-    return prefix[: prefix.rfind("/") + 1]
 
 
 def _decode(raw: bytes) -> tuple[int, float | None, bytes | None]:
@@ -170,20 +114,20 @@ class TcpStore:
         self._seen_lock = threading.Lock()
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
-        # revision -> when this client first saw it taken but not yet written
-        self._in_flight: dict[int, float] = {}
-        # prefix -> (revision, key -> raw value): the last get_prefix, brought up to date
-        # from the event log by the next one (only keys written since are fetched)
+        # prefix -> (epoch, revision, key -> raw value): the last get_prefix, brought up to
+        # date from the event log by the next one (only keys written since are fetched)
         # (the store's epoch is in it: a restarted server has lost the keys it names)
         self._snapshots: dict[str, tuple[bytes, int, dict[str, bytes]]] = {}
+        self._full_at: dict[str, float] = {}  # prefix -> when it was last read in full
+        self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
+        self._log = ChangeLog(self)  # revisions, the event log, watches
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
     def _connect(self) -> Any:
         """A new client socket (TCPStore clients are not safe to share across threads)."""
-        dist = _dist()
         try:
-            return dist.TCPStore(self.host, self.port, None, False, self._op_timeout)
+            return dist().TCPStore(self.host, self.port, None, False, self._op_timeout)
         except (RuntimeError, OSError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise StoreUnavailable(
@@ -214,23 +158,24 @@ class TcpStore:
         except RuntimeError as exc:  # DistStoreError/DistNetworkError derive from it
             raise self._broken(exc) from exc
 
-    def _next_rev(self) -> int:
-        return int(self._call(self._c().add, _REV_KEY, 1))
+    def _next_rev(self, count: int = 1) -> int:
+        return int(self._call(self._c().add, _REV_KEY, count))
 
-    def _notify(self, rev: int, key: str, *, logged: bool = False) -> None:
-        """Log the write of ``key`` at ``rev`` (unless ``logged``), then ring its channels."""
+    def _prune(self, revs: range) -> None:
+        """Drop the event keys that ``revs`` push out of the window."""
         c = self._c()
-        if not logged:
-            self._call(c.set, f"{_EV_PREFIX}{rev}", key)
-        if rev > EVENT_WINDOW:
-            self._call(c.delete_key, f"{_EV_PREFIX}{rev - EVENT_WINDOW}")
-        if not key:
-            return
-        # Only after the event is logged: read which directories are watched, ring those.
+        for rev in revs:
+            if rev > EVENT_WINDOW:
+                self._call(c.delete_key, f"{_EV_PREFIX}{rev - EVENT_WINDOW}")
+
+    def _ring(self, keys: list[str]) -> None:
+        """Ring the channels of the watched directories above ``keys`` (once each), after
+        their events are logged."""
         watched = set(self._watched().split(b"\n"))
-        dirs = [d for d in _dirs(key) if d.encode() in watched]
+        dirs = sorted({d for key in keys for d in _dirs(key) if d.encode() in watched})
         if not dirs:
             return
+        c = self._c()
         rings = [int(self._call(c.add, f"{_CH_COUNT}{d}", 1)) for d in dirs]
         self._call(
             c.multi_set,
@@ -241,29 +186,51 @@ class TcpStore:
             if n > CHANNEL_WINDOW:
                 self._call(c.delete_key, f"{_CH_PREFIX}{d}{n - CHANNEL_WINDOW}")
 
+    def _notify(self, rev: int, key: str, *, logged: bool = False) -> None:
+        """Log the write of ``key`` at ``rev`` (unless ``logged``), then ring its channels."""
+        if not logged:
+            self._call(self._c().set, f"{_EV_PREFIX}{rev}", key)
+        self._prune(range(rev, rev + 1))
+        if key:
+            self._ring([key])
+
     def _watched(self) -> bytes:
         """The list of watched directories (one request; creates it empty if absent)."""
         return bytes(self._call(self._c().compare_set, _WATCHED_KEY, b"", b""))
 
     def _watch(self, directory: str) -> None:
         """Add ``directory`` to the watched list unless it is there (before any read)."""
+        if self._log.watching(directory):
+            return
         name = directory.encode()
         current = self._watched()
         for _ in range(1000):  # each lost race means another watcher registered
             if name in current.split(b"\n"):
-                return
+                break
             new = current + b"\n" + name if current else name
             got = bytes(self._call(self._c().compare_set, _WATCHED_KEY, current, new))
             if got == new:
-                return
+                break
             current = got
-        raise StoreUnavailable("could not register a watch (the watched list keeps changing)")
+        else:
+            raise StoreUnavailable("could not register a watch (the watched list keeps changing)")
+        self._log.watched(directory)
+
+    def _remember(self, key: str, raw: bytes | None) -> None:
+        with self._seen_lock:
+            if raw is None:
+                self._raw_cache.pop(key, None)
+                return
+            self._raw_cache[key] = raw
+            self._raw_cache.move_to_end(key)
+            if len(self._raw_cache) > RAW_CACHE:
+                self._raw_cache.popitem(last=False)
 
     def _raw(self, key: str) -> bytes | None:
         c = self._c()
-        if not self._call(c.check, [key]):
-            return None
-        return bytes(self._call(c.get, key))
+        raw = bytes(self._call(c.get, key)) if self._call(c.check, [key]) else None
+        self._remember(key, raw)
+        return raw
 
     def _live(self, key: str, raw: bytes | None) -> Entry | None:
         if raw is None:
@@ -287,32 +254,8 @@ class TcpStore:
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         """Every live key under ``prefix``; a repeated call fetches only what was written
-        since the last one (the event log names those keys), not every key again."""
-        c = self._c()
-        at = self.revision()  # every write up to here has landed and is logged
-        with self._seen_lock:
-            snap = self._snapshots.get(prefix)
-        raws: dict[str, bytes] | None = None
-        epoch = b""
-        if snap is not None and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
-            epoch = snap[0]
-            raws = self._catch_up(prefix, snap, at)
-        if raws is None:
-            # This server's epoch: created by the first reader, gone if the server restarts.
-            epoch = bytes(self._call(c.compare_set, _EPOCH_KEY, b"", os.urandom(8).hex().encode()))
-            keys = sorted(
-                k
-                for k in self._call(c.list_keys)
-                if k.startswith(prefix) and not k.startswith("__flexrun/")
-            )
-            values = self._call(c.multi_get, keys) if keys else []
-            raws = {k: bytes(v) for k, v in zip(keys, values, strict=True)}
-        with self._seen_lock:
-            old = self._snapshots.get(prefix)
-            if old is None or old[1] <= at:
-                self._snapshots[prefix] = (epoch, at, raws)
-                if len(self._snapshots) > SNAPSHOTS:
-                    del self._snapshots[next(iter(self._snapshots))]
+        since the last one (:meth:`flexrun.store.tcp_watch.ChangeLog.read_prefix`)."""
+        raws = self._log.read_prefix(prefix)
         out = {}
         for key in sorted(raws):
             entry = self._live(key, raws[key])
@@ -320,181 +263,108 @@ class TcpStore:
                 out[key] = entry
         return out
 
-    def _catch_up(
-        self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
-    ) -> dict[str, bytes] | None:
-        """A snapshot's keys updated to revision ``at``; None: the log cannot tell."""
-        c = self._c()
-        epoch, since, raws = snap
-        names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in range(since + 1, at + 1)]
-        if not self._call(c.check, names):
-            return None  # a restarted server, a revision abandoned by a dead writer
-        got = self._fetch_events(since + 1, names)
-        if got is None or bytes(got[0]) != epoch:
-            return None  # a restarted server that has been written to since
-        logged = {bytes(k).decode() for k in got[1:]}
-        changed = sorted(
-            k for k in logged if k and k.startswith(prefix) and not k.startswith("__flexrun/")
-        )
-        if not changed:
-            return raws
-        out = dict(raws)
-        for key, raw in zip(changed, self._call(c.multi_get, changed), strict=True):
-            out[key] = bytes(raw)
-        return out
-
-    def _fetch_events(self, oldest: int, names: list[str]) -> list[Any] | None:
-        """``multi_get`` of keys just checked to exist, event keys from revision ``oldest``
-        on; None if writers may prune the oldest meanwhile (``TCPStore.get`` of a missing
-        key blocks until the op timeout: seen with 1024 agents, whose burst of writes pushed
-        the event window past a reader between its check and its read)."""
-        c = self._c()
-        if int(self._call(c.add, _REV_KEY, 0)) - oldest >= EVENT_WINDOW // 2:
-            return None
-        return list(self._call(c.multi_get, names))
-
     def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
         rev = self._next_rev()
+        raw = _encode(rev, ttl_s, bytes(value))
         # One request sets the value and logs the event (the server applies them in order).
-        self._call(
-            self._c().multi_set,
-            [key, f"{_EV_PREFIX}{rev}"],
-            [_encode(rev, ttl_s, bytes(value)), key.encode()],
-        )
+        self._call(self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [raw, key.encode()])
+        self._remember(key, raw)
         self._notify(rev, key, logged=True)
         return rev
+
+    def put_many(self, items: Mapping[str, bytes]) -> int:
+        """One revision per key, values and events in requests of BATCH keys, one ring per
+        watched directory."""
+        keys = list(items)
+        if not keys:
+            return 0
+        last = self._next_rev(len(keys))
+        first = last - len(keys) + 1
+        c = self._c()
+        for i in range(0, len(keys), BATCH):
+            names: list[str] = []
+            values: list[bytes] = []
+            for j, key in enumerate(keys[i : i + BATCH], start=first + i):
+                names += [key, f"{_EV_PREFIX}{j}"]
+                values += [_encode(j, None, bytes(items[key])), key.encode()]
+            self._call(c.multi_set, names, values)
+        self._prune(range(first, last + 1))
+        self._ring(keys)
+        return last
 
     def compare_and_set(
         self, key: str, value: bytes, *, expected_revision: int
     ) -> tuple[bool, Entry | None]:
-        current_raw = self._raw(key)
-        current = self._live(key, current_raw)
-        current_rev = current.revision if current is not None else 0
-        if current_rev != expected_revision:
-            return False, current
+        """One request after a read of the key by this client (its raw value is kept);
+        otherwise a read first. A loss returns ``(False, None)``."""
+        with self._seen_lock:
+            cached = self._raw_cache.get(key)
+        current_raw = cached
+        if cached is None or self._rev_of(cached) != expected_revision:
+            current_raw = self._raw(key)
+            if self._rev_of(current_raw) != expected_revision:
+                return False, None
         rev = self._next_rev()
         new_raw = _encode(rev, None, bytes(value))
         ok = False
         try:
             got = bytes(self._call(self._c().compare_set, key, current_raw or b"", new_raw))
             ok = got == new_raw
+            # (A loss forgets the kept value: the next attempt reads the key first.)
+            self._remember(key, new_raw if ok else None)
         finally:
             self._notify(rev, key if ok else "")
-        if ok:
-            return True, Entry(bytes(value), rev)
-        return False, self.get(key)
+        return (True, Entry(bytes(value), rev)) if ok else (False, None)
+
+    @staticmethod
+    def _rev_of(raw: bytes | None) -> int:
+        """The revision a raw value stands for (0: absent or a tombstone)."""
+        if not raw:
+            return 0
+        rev, _, payload = _decode(raw)
+        return rev if payload is not None else 0
 
     def delete(self, key: str) -> None:
         raw = self._raw(key)
         if raw is None or _decode(raw)[2] is None:
             return
         rev = self._next_rev()
-        self._call(
-            self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [f"{rev} x\n".encode(), key.encode()]
-        )
+        tomb = f"{rev} x\n".encode()
+        self._call(self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [tomb, key.encode()])
+        self._remember(key, tomb)
         self._notify(rev, key, logged=True)
 
-    def revision(self) -> int:
-        """The highest revision below which every write has landed.
-
-        The counter may be ahead of the data: a writer takes its revision first and its
-        write lands a moment later. State read "at" the raw counter could miss that write,
-        and a watch from there would skip it; so report the revision just below the oldest
-        write still in flight (one abandoned for IN_FLIGHT_S by a dead writer is ignored).
-        """
-        current = int(self._call(self._c().add, _REV_KEY, 0))
-        return self._logged_up_to(max(1, current - _RECENT + 1), current, self._in_flight)
-
-    def _logged_up_to(self, lo: int, hi: int, in_flight: dict[int, float]) -> int:
-        """The highest ``r <= hi`` such that every revision in ``lo..r`` is logged (or
-        abandoned: taken but not logged for IN_FLIGHT_S); ``lo - 1`` if none is."""
-        now = self._clock.monotonic()
-        while lo <= hi:
-            r = self._first_unlogged(lo, hi)
-            if r is None:
-                return hi
-            with self._seen_lock:
-                first = in_flight.setdefault(r, now)
-                if len(in_flight) > 4 * _RECENT:
-                    for old in sorted(in_flight)[: 2 * _RECENT]:
-                        del in_flight[old]
-            if now - first < IN_FLIGHT_S:
-                return r - 1
-            lo = r + 1  # abandoned by a writer that died between taking and logging it
-        return hi
-
-    def _first_unlogged(self, lo: int, hi: int) -> int | None:
-        """The oldest revision in ``lo..hi`` not in the event log, None if all are: one
-        request when all are logged, a bisection (log2 of the range) otherwise."""
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under ``prefix`` from the server, without tombstones or change
+        events (the keys would otherwise stay on the server for ever): only for keys that
+        nobody reads or watches any more; this client forgets its cached reads of them."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
         c = self._c()
+        for key in self._call(c.list_keys):
+            if key.startswith(prefix) and not key.startswith(_INTERNAL):
+                self._call(c.delete_key, key)
+        with self._seen_lock:
+            for p in [p for p in self._snapshots if p.startswith(prefix) or prefix.startswith(p)]:
+                del self._snapshots[p]
+            for key in [k for k in self._raw_cache if k.startswith(prefix)]:
+                del self._raw_cache[key]
 
-        def logged(a: int, b: int) -> bool:
-            return bool(self._call(c.check, [f"{_EV_PREFIX}{r}" for r in range(a, b + 1)]))
-
-        if hi < lo or logged(lo, hi):
-            return None
-        a, b = lo, hi  # the first unlogged lies in a..b
-        while a < b:
-            mid = (a + b) // 2
-            if logged(a, mid):
-                a = mid + 1
-            else:
-                b = mid
-        return a
+    def revision(self) -> int:
+        """The highest revision below which every write has landed (see
+        :meth:`flexrun.store.tcp_watch.ChangeLog.revision`)."""
+        return self._log.revision()
 
     def wait_for_change(
         self, prefix: str, since_revision: int, timeout_s: float
     ) -> tuple[bool, int]:
-        deadline = self._clock.monotonic() + timeout_s
-        seen = since_revision
-        c = self._c()
-        channel = _dir_of(prefix)
-        if channel:
-            self._watch(channel)
-        in_flight: dict[int, float] = {}
-        last_ring = -1
-        while True:
-            # Read the ring count *before* the log: a write logged after this read rings
-            # a number above it, one logged before is found in the log.
-            ring = int(self._call(c.add, f"{_CH_COUNT}{channel}", 0)) if channel else 0
-            current = int(self._call(c.add, _REV_KEY, 0))
-            if current - seen > EVENT_WINDOW:
-                return True, self.revision()  # too far behind to tell: report a change
-            complete = self._logged_up_to(seen + 1, current, in_flight)
-            if complete > seen:
-                names = [f"{_EV_PREFIX}{r}" for r in range(seen + 1, complete + 1)]
-                if not self._call(c.check, names):
-                    # An abandoned revision in the range: read the logged ones one by one.
-                    names = [n for n in names if self._call(c.check, [n])]
-                got = self._fetch_events(seen + 1, names) if names else []
-                if got is None:
-                    return True, self.revision()  # the log moved on under us: report a change
-                keys = [bytes(v).decode() for v in got]
-                if any(k and k.startswith(prefix) for k in keys):
-                    return True, self.revision()
-                seen = complete
-            remaining = deadline - self._clock.monotonic()
-            if remaining <= 0:
-                return False, seen
-            rung, last_ring = last_ring < ring, ring  # the first pass counts as rung
-            if channel and (seen >= current or not rung):
-                # Logs read up to a write still in flight (if any): a write under the
-                # prefix behind it rang before this read, so the channel alone could miss
-                # it; bound the wait by IN_FLIGHT_S then, and read the log again.
-                step = WAIT_STEP_S if seen >= current else IN_FLIGHT_S
-                name, step = f"{_CH_PREFIX}{channel}{ring + 1}", min(remaining, step)
-            else:
-                # Rung, but the write is behind one in flight: follow the log to it.
-                name = f"{_EV_PREFIX}{seen + 1}"
-                step = min(remaining, WAIT_STEP_S if seen >= current else IN_FLIGHT_S)
-            try:
-                c.wait([name], timedelta(seconds=step))
-            except RuntimeError as exc:
-                if type(exc).__name__ == "DistNetworkError" or "timeout" not in str(exc).lower():
-                    raise self._broken(exc) from exc
+        return self._log.wait_for_change(prefix, since_revision, timeout_s)
+
+    def _fetch_events(self, oldest: int, names: list[str]) -> list[Any] | None:
+        return self._log._fetch_events(oldest, names)
 
     def close(self) -> None:
         self._closed = True
 
 
-__all__ = ["TcpStore", "TcpStoreServer", "probe", "StoreTimeout"]
+__all__ = ["EVENT_WINDOW", "StoreTimeout", "TcpStore", "TcpStoreServer", "probe"]

@@ -72,10 +72,11 @@ class EtcdCluster:
         size: int = 1,
         binary: str | None = None,
         tls: tuple[Path, Path, Path] | None = None,
+        client_cert_auth: bool = True,
     ) -> None:
-        """``tls``: (CA, server cert, server key) PEM files; clients must then present a
-        certificate signed by that CA (``--client-cert-auth``) and the same files serve as
-        the client's own for the readiness probe."""
+        """``tls``: (CA, server cert, server key) PEM files; with ``client_cert_auth``
+        clients must then present a certificate signed by that CA (``--client-cert-auth``)
+        and the same files serve as the client's own for the readiness probe."""
         found = binary or etcd_binary()
         if found is None:
             raise FileNotFoundError(MISSING)
@@ -86,6 +87,7 @@ class EtcdCluster:
         self.peer_ports = [_free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
         self.tls = tls
+        self.client_cert_auth = client_cert_auth
         self._ctx: ssl.SSLContext | None = None
         if tls is not None:
             self._ctx = ssl.create_default_context(cafile=str(tls[0]))
@@ -113,9 +115,7 @@ class EtcdCluster:
                 cert,
                 "--key-file",
                 key,
-                "--trusted-ca-file",
-                ca,
-                "--client-cert-auth",
+                *(["--trusted-ca-file", ca, "--client-cert-auth"] if self.client_cert_auth else []),
             ]
         return [
             self.binary,

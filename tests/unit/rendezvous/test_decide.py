@@ -14,7 +14,6 @@ from flexrun.rendezvous.decide import (
     decide,
     next_round,
     order_members,
-    watches_membership,
 )
 from flexrun.rendezvous.state import (
     CLOSED,
@@ -189,20 +188,6 @@ def test_records_round_trip_through_json() -> None:
     )
     assert RoundRecord.decode(r.encode()) == r
     assert r.world_size() == 3 and r.rank_base("b") == 2 and r.group_rank("b") == 1
-
-
-def test_only_the_alive_node_that_joined_first_watches_membership() -> None:
-    clock = FakeClock()
-    nodes = alive("c", "a", "b")  # c joined first (lowest join revision)
-    t0 = clock.monotonic()
-    assert watches_membership(view("c", None, nodes, clock, t0))
-    assert not watches_membership(view("a", None, nodes, clock, t0))
-    assert not watches_membership(view("b", rnd(1, "c", "a", "b"), nodes, clock, t0, running=1))
-    # c is gone: the next earliest joiner takes over.
-    rest = {n: nodes[n] for n in ("a", "b")}
-    assert watches_membership(view("a", rnd(1, "c", "a", "b"), rest, clock, t0, running=1))
-    # An agent that does not see itself alive watches everything.
-    assert watches_membership(view("z", None, nodes, clock, t0))
 
 
 def _restarted_view(

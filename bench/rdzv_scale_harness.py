@@ -1,0 +1,415 @@
+"""The agent side of bench_rdzv_scale.py: K rendezvous agents in one process.
+
+Each agent is flexrun's real ``RendezvousHandler`` (or torch's ``DynamicRendezvousHandler``)
+on a store client of its own, counted: requests and bytes each way, split between the
+agent's loop and its keep-alives. The harness does what an agent's loop does (join, wait,
+step; the round's master address once it has one) and nothing the protocol should: no
+shared clients, no shared waits (each handler keeps its own long store watch in a thread
+of its own, as in a real agent). What it shares is threads: two steppers per process tick
+the agents' loops (an agent's tick never blocks on the store here: the master address is
+polled where a real agent waits on its directory), and one scheduler writes every agent's
+keep-alive at its interval (the handler's keep-alive thread, multiplexed). With a thread
+per loop and per keep-alive, 4096 agents on 2 cores spent their time handing 16 GILs
+around (load average 1300, no round in 240 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+HB_THREAD = "flexrun-heartbeat"  # the handler's keep-alive thread name
+
+
+class Counter:
+    """Requests and bytes of one agent's store client, by thread role."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.req = {"rdzv": 0, "hb": 0}
+        self.out = {"rdzv": 0, "hb": 0}
+        self.inp = {"rdzv": 0, "hb": 0}
+
+    def add(self, sent: int, received: int) -> None:
+        role = "hb" if threading.current_thread().name in (HB_THREAD, "torch-hb") else "rdzv"
+        with self.lock:
+            self.req[role] += 1
+            self.out[role] += sent
+            self.inp[role] += received
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self.lock:
+            return {"req": dict(self.req), "out": dict(self.out), "inp": dict(self.inp)}
+
+
+def _size(x: Any) -> int:
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return len(x)
+    if isinstance(x, str):
+        return len(x.encode())
+    if isinstance(x, (list, tuple)):
+        return sum(_size(v) for v in x) + 8 * len(x)
+    return 8
+
+
+def count_tcp(store: Any, counter: Counter) -> None:
+    """Count every request a TcpStore client sends to the TCPStore server (instance patch)."""
+    call = store._call
+
+    def counted(fn: Any, *args: Any) -> Any:
+        result = call(fn, *args)
+        counter.add(9 + sum(_size(a) for a in args), _size(result) if result is not None else 1)
+        return result
+
+    store._call = counted
+    log = store._log
+    server_wait = log._server_wait
+
+    def counted_wait(c: Any, name: str, step_s: float) -> None:
+        try:
+            server_wait(c, name, step_s)
+        finally:
+            counter.add(17 + len(name), 1)
+
+    log._server_wait = counted_wait
+
+
+def count_etcd(store: Any, counter: Counter) -> None:
+    """Count every HTTP request an EtcdStore sends (bodies and answers, JSON as sent)."""
+    for t in store._transports:
+        post, stream = t.post, t.stream
+
+        def counted_post(path: str, payload: Any, timeout_s: float, *, auth: bool = True,
+                         _post: Callable[..., Any] = post) -> Any:
+            result = _post(path, payload, timeout_s, auth=auth)
+            counter.add(len(path) + len(json.dumps(payload)) + 120, len(json.dumps(result)) + 100)
+            return result
+
+        def counted_stream(path: str, payload: Any, connect_s: float, read_s: float,
+                           _stream: Callable[..., Any] = stream) -> Any:
+            received = 100
+            try:
+                for message in _stream(path, payload, connect_s, read_s):
+                    received += len(json.dumps(message))
+                    yield message
+            finally:
+                counter.add(len(path) + len(json.dumps(payload)) + 120, received)
+
+        t.post, t.stream = counted_post, counted_stream
+
+
+class CountingDistStore:
+    """torch's c10d rendezvous backend's store, counted (it calls the methods by name)."""
+
+    def __init__(self, inner: Any, counter: Counter) -> None:
+        self._inner = inner
+        self._counter = counter
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._inner, name)
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            result = fn(*args, **kw)
+            self._counter.add(9 + sum(_size(a) for a in args), _size(result))
+            return result
+
+        return counted
+
+
+# -- one agent --------------------------------------------------------------------------------
+class _NoThread:
+    """Stands in for a handler's keep-alive thread: the process's scheduler beats instead."""
+
+    def start(self) -> None:
+        pass
+
+    def join(self, timeout_s: float) -> None:
+        pass
+
+
+class KickCondition(threading.Condition):
+    """A handler's change-watch condition that also wakes the process's steppers."""
+
+    def __init__(self, kick: threading.Event) -> None:
+        super().__init__()
+        self._kick = kick
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        self._kick.set()
+
+
+class Agent:
+    """One flexrun agent: its own client, handler and change watch (a thread blocked in a
+    store wait, as in a real agent); its loop is ticked by the process's steppers and its
+    keep-alive written by the process's scheduler (the same writes at the same interval)."""
+
+    def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None],
+                 kick: threading.Event) -> None:
+        from flexrun.config import RendezvousSettings, StoreSettings
+        from flexrun.events import EventLog
+        from flexrun.rendezvous import NodeRecord, RendezvousHandler
+
+        self.aid = aid
+        self.node_id = f"n{aid:05d}"
+        self.cfg = cfg
+        self.report = report
+        self.counter = Counter()
+        self.dead = threading.Event()
+        self.go = threading.Event()
+        host, port = cfg["host"], cfg["port"]
+        if cfg["backend"] == "tcp":
+            from flexrun.store.tcp import TcpStore
+
+            raw: Any = TcpStore(host, port, connect_timeout_s=120, op_timeout_s=120)
+            count_tcp(raw, self.counter)
+        else:
+            from flexrun.store.etcd import EtcdStore
+
+            raw = EtcdStore.from_settings(
+                StoreSettings(
+                    backend="etcd-v3",
+                    endpoints=((host, port),),
+                    connect_timeout_s=120,
+                    conf={"request_timeout": str(cfg["request_timeout_s"])},
+                )
+            )
+            count_etcd(raw, self.counter)
+        store: Any = raw
+        if cfg.get("secret"):
+            from flexrun.store.signed import SignedStore
+
+            store = SignedStore(raw, cfg["secret"].encode())
+        self.store = store
+        settings = RendezvousSettings(
+            min_nodes=cfg["min_nodes"],
+            max_nodes=cfg["max_nodes"],
+            last_call_s=cfg["last_call_s"],
+            heartbeat_interval_s=cfg["hb_interval_s"],
+            heartbeat_timeout_s=cfg["hb_timeout_s"],
+            join_timeout_s=cfg["round_timeout_s"] + 600,
+        )
+        self.h = RendezvousHandler(
+            store,
+            run_id=cfg["run_id"],
+            me=NodeRecord(self.node_id, "127.0.0.1", 1),
+            settings=settings,
+            events=EventLog(None, run_id=cfg["run_id"], node=self.node_id),
+        )
+        self.h._keepalive = _NoThread()  # type: ignore[assignment]
+        self.h._changes._cond = KickCondition(kick)
+        self.joined = False
+        self.running: int | None = None
+        self.pending: Any = None  # a round whose master address is not known yet
+        self.next_tick = 0.0
+        self.tries = 0
+
+    def kill(self) -> None:
+        """As a SIGKILL looks to the store: no more steps, no more keep-alives, no leave."""
+        self.dead.set()
+        self.h._stop.set()
+        self.h._changes.close()
+
+    def changed(self) -> bool:
+        return bool(self.h._changes._changed)
+
+    def tick(self, now: float) -> float:
+        """One pass of an agent's loop (never blocks on the store); when to tick next."""
+        from flexrun.errors import StoreUnavailable
+        from flexrun.rendezvous import Exit, Run, Stop
+
+        if self.dead.is_set():
+            return now + 3600
+        if not self.go.is_set():
+            return now + 0.05
+        try:
+            if not self.joined:
+                self.h.join()
+                self.joined = True
+            changed = self.h.wait(0)  # the agent's wait, timed out (or woken) by now
+            if self.pending is None or changed:
+                action = self.h.step(self.running)
+                if isinstance(action, Run) and action.round.number != self.running:
+                    self.pending = action.round
+                elif isinstance(action, Stop):
+                    self.running = None
+                elif isinstance(action, Exit):
+                    self.report("error", self.aid, f"exit: {action.reason}")
+                    self.dead.set()
+                    return now + 3600
+            if self.pending is not None:
+                rnd = self.pending
+                if rnd.group_rank(self.node_id) == 0:
+                    found = self.h.master_for(rnd, timeout_s=0) is not None
+                else:  # (a real agent blocks on the master key's directory instead)
+                    found = self.store.get(self.h.keys.master(rnd.number)) is not None
+                if found:
+                    self.pending, self.running = None, rnd.number
+                    self.report("run", self.aid, rnd.number, time.monotonic(), self.h.watching,
+                                len(rnd.members))
+            self.tries = 0
+            fast = self.h.watching or self.pending is not None
+            return now + (self.cfg["wait_watcher_s"] if fast else self.cfg["wait_s"])
+        except StoreUnavailable as exc:
+            self.tries += 1
+            self.report("retry", self.aid, str(exc)[:200])
+            return now + min(2.0, 0.05 * 2 ** min(self.tries, 6))
+        except Exception as exc:  # noqa: BLE001 (reported to the parent, never hidden)
+            self.report("error", self.aid, f"{type(exc).__name__}: {exc}"[:300])
+            self.dead.set()
+            return now + 3600
+
+    def beat(self) -> None:
+        if self.joined and not self.dead.is_set():
+            self.h._beat()
+
+
+def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -> None:
+    """Tick each agent when it is due or its change watch fired."""
+    import heapq
+
+    heap = [(0.0, i) for i in range(len(agents))]
+    heapq.heapify(heap)
+    while not stop.is_set():
+        now = time.monotonic()
+        if kick.is_set():
+            kick.clear()
+            for i, a in enumerate(agents):
+                if a.changed():
+                    heapq.heappush(heap, (a.tick(now), i))
+        while heap and heap[0][0] <= now:
+            _, i = heapq.heappop(heap)
+            heapq.heappush(heap, (agents[i].tick(now), i))
+        kick.wait(max(0.001, min(1.0, heap[0][0] - time.monotonic() if heap else 1.0)))
+
+
+def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event) -> None:
+    """Every agent's keep-alive once per interval, spread over it."""
+    from flexrun.errors import StoreError
+
+    while not stop.is_set():
+        t0 = time.monotonic()
+        for k, a in enumerate(agents):
+            with contextlib.suppress(StoreError):  # (retried at the next beat, as the handler's)
+                a.beat()
+            delay = t0 + interval_s * (k + 1) / len(agents) - time.monotonic()
+            if delay > 0 and stop.wait(delay):
+                return
+
+
+class TorchAgent:
+    """One agent of torch's own DynamicRendezvousHandler over the c10d backend (a thread
+    each: ``next_rendezvous`` blocks)."""
+
+    def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None],
+                 kick: threading.Event) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+            RendezvousTimeout,
+        )
+
+        self.aid = aid
+        self.report = report
+        self.counter = Counter()
+        self.dead = threading.Event()
+        self.go = threading.Event()
+        t = timedelta(seconds=cfg["round_timeout_s"])
+        self.store = dist.TCPStore(cfg["host"], cfg["port"], None, False, t)
+        backend = C10dRendezvousBackend(CountingDistStore(self.store, self.counter), cfg["run_id"])
+        self.h = DynamicRendezvousHandler.from_backend(
+            run_id=cfg["run_id"],
+            store=self.store,
+            backend=backend,
+            min_nodes=cfg["min_nodes"],
+            max_nodes=cfg["max_nodes"],
+            local_addr="127.0.0.1",
+            timeout=RendezvousTimeout(join=t, last_call=timedelta(seconds=cfg["last_call_s"])),
+        )
+        self.thread = threading.Thread(target=self._main, daemon=True, name=f"agent-{aid}")
+
+    def kill(self) -> None:
+        self.dead.set()
+
+    def _main(self) -> None:
+        self.go.wait()
+        try:
+            info = self.h.next_rendezvous()
+            self.report("run", self.aid, 1, time.monotonic(), info.rank == 0, info.world_size)
+        except Exception as exc:  # noqa: BLE001 (reported)
+            self.report("error", self.aid, f"{type(exc).__name__}: {exc}"[:300])
+
+
+# -- one process --------------------------------------------------------------------------------
+STEPPERS = 2  # stepper threads per process
+
+
+def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, results: Any) -> None:
+    """K agents in this process; obeys ``commands`` until ``stop``."""
+    threading.stack_size(512 * 1024)
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+    def report(kind: str, *payload: Any) -> None:
+        results.put((kind, idx, *payload))
+
+    torch_mode = cfg["backend"] == "torch"
+    kicks = [threading.Event() for _ in range(STEPPERS)]
+    agents: dict[int, Any] = {}
+    try:
+        for n, aid in enumerate(ids):
+            cls = TorchAgent if torch_mode else Agent
+            agents[aid] = cls(aid, cfg, report, kicks[n % STEPPERS])
+            if torch_mode:
+                agents[aid].thread.start()
+    except Exception as exc:  # noqa: BLE001
+        report("error", -1, f"setup: {type(exc).__name__}: {exc}"[:300])
+    stop = threading.Event()
+    threads = []
+    if not torch_mode:
+        mine = [agents[a] for a in ids if a in agents]
+        for k in range(STEPPERS):
+            threads.append(threading.Thread(target=stepper, args=(mine[k::STEPPERS], kicks[k], stop),
+                                            daemon=True, name=f"stepper-{k}"))
+        threads.append(threading.Thread(target=keepalives, args=(mine, cfg["hb_interval_s"], stop),
+                                        daemon=True, name=HB_THREAD))
+        for t in threads:
+            t.start()
+    report("ready", len(agents))
+    while True:
+        cmd, *args = commands.get()
+        if cmd == "start":
+            for aid in args[0]:
+                if aid in agents:
+                    agents[aid].go.set()
+            for kick in kicks:
+                kick.set()
+        elif cmd == "kill":
+            if args[0] in agents:
+                agents[args[0]].kill()
+            report("killed", args[0], time.monotonic())
+        elif cmd == "snapshot":
+            report("snapshot", args[0], {aid: a.counter.snapshot() for aid, a in agents.items()})
+        elif cmd == "stop":
+            stop.set()
+            for a in agents.values():
+                a.dead.set()
+                with contextlib.suppress(Exception):
+                    a.h.shutdown() if torch_mode else a.h._stop.set()
+            report("stopped")
+            break
+    sys.stdout.flush()
+    os._exit(0)  # daemon threads blocked in a store call must not keep the process alive

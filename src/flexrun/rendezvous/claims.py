@@ -1,0 +1,113 @@
+"""Who watches membership: reading the watcher claim, judging its holder, taking it over.
+
+Owns the claim key's bookkeeping for one handler (:class:`Claims`): when to read it (as
+the watcher every step; as a follower when the header changed, and otherwise every
+``max(heartbeat_interval, heartbeat_timeout / 2)``), the holder's keep-alive, claiming by
+compare-and-set when :func:`flexrun.rendezvous.follow.should_claim` says so, and handing
+the role over on a graceful leave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from flexrun.errors import RendezvousError
+from flexrun.rendezvous.follow import should_claim
+from flexrun.rendezvous.state import Claim, RoundRecord
+
+if TYPE_CHECKING:
+    from flexrun.rendezvous.handler import RendezvousHandler
+
+log = logging.getLogger("flexrun.rendezvous")
+
+
+class Claims:
+    """The watcher claim as one node sees it."""
+
+    def __init__(self, h: RendezvousHandler) -> None:
+        self.h = h
+        self.claim: Claim | None = None
+        self.rev = 0
+        self.watching = False
+        self.was_watcher = False
+        self._next = 0.0
+        self._seen_at = -1  # header revision when the claim was last read
+        self._vacant_since: float | None = None
+
+    def interval(self) -> float:
+        s = self.h.settings
+        return max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2)
+
+    def due(self, now: float) -> bool:
+        return now >= self._next
+
+    def update(self, hdr: RoundRecord | None, hdr_rev: int, now: float) -> None:
+        """Read the claim when due (always as the watcher; after the header changed: a new
+        watcher proposes, a leaving one touches the header), judge the holder's keep-alive,
+        and claim the role when :func:`should_claim` says so."""
+        h = self.h
+        changed, self._seen_at = hdr_rev != self._seen_at, hdr_rev
+        if not (self.watching or self.claim is None or hdr is None or changed or self.due(now)):
+            return
+        self._next = now + self.interval()
+        entry = h.store.get(h.keys.watcher)
+        claim: Claim | None = None
+        if entry is not None:
+            try:
+                claim = Claim.decode(entry.value)
+            except RendezvousError as exc:
+                h.rejected(h.keys.watcher, f"corrupt: {exc}"[:200])
+        rev = entry.revision if entry is not None else 0
+        alive: bool | None = None
+        if claim is not None and claim.node and claim.node != h.me.node_id:
+            alive = h.store.get(h.keys.heartbeat(claim.node)) is not None
+        if claim is None:
+            self._vacant_since = now if self._vacant_since is None else self._vacant_since
+        else:
+            self._vacant_since = None
+        if not h.stopped and should_claim(
+            claim,
+            alive,
+            me=h.me.node_id,
+            was_watcher=self.was_watcher,
+            seen_rounds=h.floor > 0,
+            vacant_for_s=now - (self._vacant_since or now),
+            settle_s=h.settings.heartbeat_timeout_s,
+        ):
+            new = Claim(h.me.node_id, (claim.term if claim is not None else 0) + 1)
+            ok, won = h.store.compare_and_set(h.keys.watcher, new.encode(), expected_revision=rev)
+            if ok and won is not None:
+                previous = claim.node if claim is not None else ""
+                claim, rev = new, won.revision
+                h.events.emit("watcher_claimed", term=new.term, previous=previous or None)
+                log.info("this node watches membership now (term %d)", new.term)
+            else:
+                claim = None
+                self._next = now  # lost the race: read who won next time
+        was = self.watching
+        self.claim, self.rev = claim, rev
+        self.watching = claim is not None and claim.node == h.me.node_id
+        if was and not self.watching:
+            log.warning("another node watches membership now: following")
+        self.was_watcher = self.was_watcher or self.watching
+
+    def hand_over(self) -> None:
+        """Give the watcher role up (a graceful leave): vacate the claim, then touch the
+        header so that the followers, which read the claim when the header changes, take
+        the role over at once instead of at their next periodic check."""
+        h, claim = self.h, self.claim
+        if claim is None:
+            return
+        vacant = Claim("", claim.term + 1)
+        ok, _ = h.store.compare_and_set(h.keys.watcher, vacant.encode(), expected_revision=self.rev)
+        hdr, rev = h.read_header()
+        if ok and hdr is not None:
+            touched = dataclasses.replace(hdr, seq=h.max_seq + 1)
+            if h.store.compare_and_set(h.keys.round, touched.header(), expected_revision=rev)[0]:
+                h.note_header(touched)
+        self.watching = False
+
+
+__all__ = ["Claims"]

@@ -1,0 +1,94 @@
+"""Pure decisions of the nodes that do not watch membership (followers), and of who
+watches: ``(what a node read, now) -> action``.
+
+Owns two rules. A follower reads the round header and its own slice, never the member
+list, node records or keep-alives, and decides from those alone (:func:`follow`). Exactly
+one node, the watcher, reads membership and proposes rounds; :func:`should_claim` says
+when a node takes that role: at once when nobody holds it (the first node of a job) or
+the holder gave it up (a graceful leave), once the holder's keep-alive has expired (a
+bounded fallback: at most the heartbeat timeout plus two checks), and after a store
+restart only once the old watcher had ``settle_s`` to claim it back. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexrun.rendezvous.decide import Action, Exit, Run, Stop, Wait
+from flexrun.rendezvous.state import CLOSED, FAILED, PENDING, RUNNING, Claim, RoundRecord
+
+
+@dataclass(frozen=True, slots=True)
+class FollowView:
+    """What a follower knows at one instant."""
+
+    me: str
+    round: RoundRecord | None
+    """The current header with this node's slice (``round.mine``), if it read one."""
+    member: bool | None
+    """True: its slice places it in the round; False: the watcher says it is not in it;
+    None: no slice found yet (it asked the watcher)."""
+    running: int | None
+    """The round whose workers this node runs now, if any."""
+
+
+def follow(view: FollowView) -> Action:
+    """The next thing a follower should do."""
+    r = view.round
+    if r is not None and r.state == FAILED:
+        return Exit(r.exit_code or 1, f"job failed: {r.reason}", r.root_cause)
+    if r is not None and r.state == CLOSED:
+        if view.running == r.number:
+            return Wait("job finishing: waiting for local workers")
+        return Exit(0, "job finished")
+    if r is None:
+        if view.running is not None:
+            # The store lost the round (it restarted): workers keep training; the round
+            # is restored by whoever knows it.
+            return Wait("training; the round record is gone from the store")
+        return Wait("waiting for the first round")
+    if r.state == PENDING or r.state != RUNNING:
+        if view.running is not None:
+            return Stop("too few nodes: waiting for more")
+        return Wait("waiting for nodes: the round is pending")
+    if view.member is True:
+        if view.running != r.number:
+            return Run(r)
+        return Wait("training")
+    if view.member is False:
+        if view.running is not None:
+            return Stop(f"not a member of round {r.number}")
+        return Wait(f"standby: not in round {r.number} ({len(r.members)} nodes)")
+    if view.running is not None and view.running != r.number:
+        return Stop(f"round {r.number} replaced round {view.running}")
+    return Wait(f"round {r.number}: asked the watcher for this node's slice")
+
+
+def should_claim(
+    claim: Claim | None,
+    watcher_alive: bool | None,
+    *,
+    me: str,
+    was_watcher: bool,
+    seen_rounds: bool,
+    vacant_for_s: float,
+    settle_s: float,
+) -> bool:
+    """Whether this node should try to become the watcher (compare-and-set on the claim).
+
+    ``watcher_alive``: the holder's keep-alive as this node last judged it (None: not
+    checked). ``seen_rounds``: this node has seen a round, so a missing claim means the
+    store lost its state; ``vacant_for_s``: how long this node has seen it missing.
+    """
+    if claim is None:
+        if not seen_rounds or was_watcher:
+            return True  # a new job's first node; or the old watcher after a store restart
+        return vacant_for_s >= settle_s
+    if claim.node == me:
+        return False
+    if not claim.node:
+        return True  # the watcher left and said so
+    return watcher_alive is False
+
+
+__all__ = ["FollowView", "follow", "should_claim"]

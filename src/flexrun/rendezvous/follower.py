@@ -1,0 +1,94 @@
+"""A follower's reads: the round header's own slice, and putting a lost round back.
+
+Owns what a node that does not watch membership reads and remembers (:class:`Follower`):
+its slice of each member list (read once per list; asked of the watcher when missing),
+and, when the store lost the round (it restarted), registering again and restoring the
+round it trains in. The decisions are :func:`flexrun.rendezvous.follow.follow`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from flexrun.rendezvous.decide import Action
+from flexrun.rendezvous.follow import FollowView, follow
+from flexrun.rendezvous.records import ask_for_slice, read_slice
+from flexrun.rendezvous.state import RUNNING, RoundRecord, Slice, with_loader
+
+if TYPE_CHECKING:
+    from flexrun.rendezvous.handler import RendezvousHandler
+
+SLICES_KEPT = 4
+
+
+def member(r: RoundRecord | None) -> bool | None:
+    """What ``r``'s slice says of its reader (None: no slice read)."""
+    return r.mine.member if r is not None and r.mine is not None else None
+
+
+class Follower:
+    """The follower role of one handler."""
+
+    def __init__(self, h: RendezvousHandler) -> None:
+        self.h = h
+        self.slices: dict[str, Slice] = {}
+        self._asked = ""
+
+    def settled(self) -> bool:
+        """Nothing but a change of the round can change this node's decision now."""
+        r = self.h.round
+        return r is not None and (r.state != RUNNING or member(r) is not None)
+
+    def again(self, running: int | None) -> Action:
+        """The decision from what was read last (nothing changed since)."""
+        h = self.h
+        return follow(FollowView(h.me.node_id, h.round, member(h.round), running))
+
+    def step(self, running: int | None, hdr: RoundRecord | None, now: float) -> Action:
+        h = self.h
+        if hdr is None and h.floor > 0:
+            self.store_lost(running, now)
+            hdr, _ = h.read_header()
+        cur = self.attach(hdr)
+        h.set_round(cur)
+        return follow(FollowView(h.me.node_id, cur, member(cur), running))
+
+    def with_slice(self, rnd: RoundRecord) -> RoundRecord:
+        h = self.h
+        return dataclasses.replace(with_loader(h.store, h.keys, rnd), mine=self.slices.get(rnd.digest))
+
+    def attach(self, hdr: RoundRecord | None) -> RoundRecord | None:
+        """``hdr`` with this node's slice (read once per member list) and its member list
+        readable on use; asks the watcher once for a slice that is not there."""
+        if hdr is None:
+            return None
+        h = self.h
+        rnd = with_loader(h.store, h.keys, hdr)
+        digest = rnd.digest
+        mine = self.slices.get(digest) if digest else None
+        if digest and mine is None and rnd.state == RUNNING:
+            mine = read_slice(h.store, h.keys, digest, h.me.node_id)
+            if mine is not None:
+                self.slices[digest] = mine
+                while len(self.slices) > SLICES_KEPT:
+                    del self.slices[next(iter(self.slices))]
+            elif self._asked != digest:
+                ask_for_slice(h.store, h.keys, h.me.node_id, digest)
+                self._asked = digest
+        return dataclasses.replace(rnd, mine=mine)
+
+    def store_lost(self, running: int | None, now: float) -> None:
+        """The header is gone although rounds were seen: the store restarted. Register
+        again if the record went too, and put back the round this node trains in."""
+        h = self.h
+        if not h.stopped and h.store.get(h.keys.node(h.me.node_id)) is None:
+            h.reregister(now)
+        known = h.known_round
+        if running is not None and known is not None:
+            ok, _ = h.store.compare_and_set(h.keys.round, known.header(), expected_revision=0)
+            if ok:
+                h.round_restored(known)
+
+
+__all__ = ["Follower", "member"]

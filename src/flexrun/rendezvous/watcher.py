@@ -1,0 +1,229 @@
+"""The watcher: the one node that reads membership and proposes rounds.
+
+Owns what only the watcher does: reading every node record and keep-alive (incremental
+reads: a repeated ``get_prefix`` transfers what changed), the bookkeeping the pure
+decisions need (when the alive set last changed, whose keep-alive was seen renewed),
+proposing (member list and slices first, then one compare-and-set of the small header),
+answering nodes that found no slice, removing superseded member lists, and putting the
+round back after a store restart. The decisions are :func:`flexrun.rendezvous.decide`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from flexrun.errors import RendezvousError
+from flexrun.rendezvous.decide import Action, Propose, View, Wait, decide, next_round
+from flexrun.rendezvous.records import (
+    asked_digest,
+    read_members,
+    write_members,
+    write_slice,
+)
+from flexrun.rendezvous.state import (
+    RUNNING,
+    Member,
+    Members,
+    NodeRecord,
+    RoundRecord,
+    Slice,
+    slices_of,
+)
+from flexrun.store.api import Entry
+
+if TYPE_CHECKING:
+    from flexrun.rendezvous.handler import RendezvousHandler
+
+log = logging.getLogger("flexrun.rendezvous")
+
+LISTS_KEPT = 4  # member lists the watcher keeps in memory (current, previous, proposals)
+
+
+class Watcher:
+    """The watcher role of one handler (state kept across steps while it holds it)."""
+
+    def __init__(self, h: RendezvousHandler) -> None:
+        self.h = h
+        self.lists: dict[str, tuple[Member, ...]] = {}
+        self.alive_set: frozenset[str] = frozenset()
+        self.candidates_since = h.clock.monotonic()
+        # Keep-alives seen: node -> (first revision seen, seen renewed since). Only where
+        # readers judge TTLs themselves (tcp): see View.unconfirmed.
+        self.beats_seen: dict[str, tuple[int, bool]] = {}
+
+    # -- reading ----------------------------------------------------------------------------
+    def members(self, hdr: RoundRecord) -> RoundRecord | None:
+        """``hdr`` with its member list in memory; None if the list cannot be read."""
+        m = hdr.members
+        if not isinstance(m, Members) or m.loaded:
+            return hdr
+        known = self.lists.get(m.digest)
+        if known is None:
+            try:
+                known = read_members(self.h.store, self.h.keys, m.digest, len(m))
+            except RendezvousError as exc:
+                log.warning("round %d: %s", hdr.number, exc)
+                return None
+            self._keep(m.digest, known)
+        return dataclasses.replace(hdr, members=known)
+
+    def _keep(self, digest: str, members: tuple[Member, ...]) -> None:
+        self.lists[digest] = members
+        while len(self.lists) > LISTS_KEPT:
+            del self.lists[next(iter(self.lists))]
+
+    def _alive(
+        self, nodes: dict[str, Entry], beats: dict[str, Entry]
+    ) -> dict[str, tuple[NodeRecord, int]]:
+        """Nodes with a fresh keep-alive -> (record, revision at which they joined). The
+        keep-alive carries the record, so a node whose record a restarted store lost is
+        still seen; an agent that reads is alive whatever its own keep-alive looks like (a
+        starved keep-alive thread must not make it drop itself)."""
+        h, keys = self.h, self.h.keys
+        alive: dict[str, tuple[NodeRecord, int]] = {}
+        for key, beat in beats.items():
+            node_id = key[len(keys.heartbeats) :]
+            rec = nodes.get(keys.node(node_id))
+            try:
+                record = NodeRecord.decode(rec.value if rec is not None else beat.value)
+            except RendezvousError:
+                continue
+            if record.node_id == node_id:
+                alive[node_id] = (record, rec.revision if rec is not None else beat.revision)
+        if h.me.node_id not in alive and not h.stopped:
+            mine = nodes.get(keys.node(h.me.node_id))
+            alive[h.me.node_id] = (h.me, mine.revision if mine is not None else 0)
+        if h.judges_ttl:
+            seen = {}
+            for node_id in alive:
+                found = beats.get(keys.heartbeat(node_id))
+                rev = found.revision if found is not None else 0
+                first, renewed = self.beats_seen.get(node_id, (rev, node_id == h.me.node_id))
+                seen[node_id] = (first, renewed or rev != first)
+            self.beats_seen = seen  # a node that vanishes is unconfirmed when it returns
+        return alive
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, running: int | None, hdr: RoundRecord | None, hdr_rev: int) -> Action:
+        h, keys = self.h, self.h.keys
+        nodes = h.store.get_prefix(keys.nodes)
+        beats = h.store.get_prefix(keys.heartbeats)
+        asks = h.store.get_prefix(keys.asks)
+        now = h.clock.monotonic()
+        if keys.node(h.me.node_id) not in nodes and not h.stopped:
+            h.reregister(now)  # the store lost our record (it restarted)
+        if hdr is None and h.floor > 0:
+            if running is not None and h.known_round is not None:
+                hdr, hdr_rev = self.restore(h.known_round)
+        elif hdr is not None and h.replayed and h.known_round is not None:
+            hdr, hdr_rev = self.rewrite(h.known_round, hdr_rev)
+        cur = self.members(hdr) if hdr is not None else None
+        unreadable = hdr is not None and cur is None
+        if cur is None and hdr is not None:
+            cur = dataclasses.replace(hdr, members=())
+        alive = self._alive(nodes, beats)
+        registered = frozenset(k[len(keys.nodes) :] for k in nodes)
+        if frozenset(alive) != self.alive_set:
+            self.alive_set = frozenset(alive)
+            self.candidates_since = now
+        view = View(
+            me=h.me.node_id,
+            round=cur,
+            alive=alive,
+            registered=registered,
+            running=running,
+            now=now,
+            candidates_since=self.candidates_since,
+            settle_until=h.settle_until,
+            floor=h.floor,
+            unconfirmed=frozenset(n for n, (_, renewed) in self.beats_seen.items() if not renewed),
+        )
+        action = decide(view, h.settings)
+        if unreadable and cur is not None and cur.state == RUNNING:
+            rec = next_round(None, alive, h.settings, "round_repaired", floor=h.floor)
+            action = Propose(rec, cur.number, joined=tuple(rec.member_ids))
+        if asks:
+            self.answer(asks, cur)
+        h.set_round(cur)
+        if isinstance(action, Propose):
+            self.propose(action, cur, hdr_rev)
+            return Wait("proposed a new round")
+        return action
+
+    # -- writing ------------------------------------------------------------------------------
+    def propose(self, p: Propose, cur: RoundRecord | None, cur_rev: int) -> bool:
+        """Write the proposal's member list (unless known), then compare-and-set the header."""
+        h = self.h
+        rec = p.record
+        prev = cur.prev if cur is not None else ""
+        if cur is not None and cur.digest and cur.digest != rec.digest:
+            prev = cur.digest
+        rec = dataclasses.replace(rec, seq=h.max_seq + 1, prev=prev)
+        digest = rec.digest
+        wrote = False
+        if rec.members and digest not in self.lists:
+            write_members(h.store, h.keys, rec.members)
+            self._keep(digest, tuple(rec.members))
+            wrote = True
+        ok, _ = h.store.compare_and_set(h.keys.round, rec.header(), expected_revision=cur_rev)
+        if not ok:
+            if wrote:
+                winner, _ = h.read_header()
+                if winner is None or winner.digest != digest:
+                    h.store.delete_prefix(h.keys.members_of(digest))  # our orphaned list
+                    self.lists.pop(digest, None)
+            return False
+        h.note_header(rec)
+        for n in p.lost:
+            h.events.emit("node_lost", node_id=n, round=rec.number)
+            h.store.delete(h.keys.node(n))  # (a node that comes back is seen by its keep-alive)
+        for n in p.left:
+            h.events.emit("node_left", node_id=n, round=rec.number)
+        if rec.reason == "scale_up":
+            h.events.emit("scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members))
+        elif rec.reason in ("node_lost", "node_left"):
+            h.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
+        if cur is not None and cur.digest != digest and cur.prev not in ("", digest, cur.digest):
+            h.store.delete_prefix(h.keys.members_of(cur.prev))  # two lists back: nobody reads it
+            self.lists.pop(cur.prev, None)
+        log.info("round %d proposed (%s): %d node(s) %s", rec.number, rec.reason,
+                 len(rec.members), rec.member_ids[:8] if rec.members else rec.state)
+        return True
+
+    def answer(self, asks: dict[str, Entry], cur: RoundRecord | None) -> None:
+        """Write the slice each asking node did not find (or that it is not a member)."""
+        h, keys = self.h, self.h.keys
+        mine = {s.node_id: s for s in slices_of(cur.members)} if cur is not None else {}
+        for key, entry in asks.items():
+            node_id = key[len(keys.asks) :]
+            want = asked_digest(entry.value)
+            if cur is not None and want and want == cur.digest:
+                write_slice(h.store, keys, mine.get(node_id) or Slice(want, node_id, False))
+            h.store.delete(key)
+
+    def restore(self, known: RoundRecord) -> tuple[RoundRecord | None, int]:
+        """The store lost the round this node runs: put it (and its list) back."""
+        h = self.h
+        full = self.members(known)
+        if full is not None and full.members:
+            write_members(h.store, h.keys, full.members)
+        ok, entry = h.store.compare_and_set(h.keys.round, known.header(), expected_revision=0)
+        if ok:
+            h.round_restored(known)
+        return h.read_header()
+
+    def rewrite(self, known: RoundRecord, rev: int) -> tuple[RoundRecord | None, int]:
+        """An older round than seen was written over the current one (a replay): write the
+        current one back above it."""
+        h = self.h
+        rec = dataclasses.replace(known, seq=h.max_seq + 1)
+        ok, _ = h.store.compare_and_set(h.keys.round, rec.header(), expected_revision=rev)
+        if ok:
+            h.note_header(rec)
+            log.warning("round %d written back over an older (replayed) round record", rec.number)
+        return h.read_header()
+
+
+__all__ = ["Watcher"]

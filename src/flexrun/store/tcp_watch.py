@@ -1,0 +1,307 @@
+"""The tcp store's change log and watches: revisions, the event log, ring channels.
+
+Owns what :meth:`~flexrun.store.tcp.TcpStore.revision` and
+:meth:`~flexrun.store.tcp.TcpStore.wait_for_change` do, on the client's connections:
+which revisions have landed, reading the event log, and waiting on a directory's ring
+channel. The encoding is described in :mod:`flexrun.store.tcp`.
+
+Wait tokens. :meth:`revision` also reads the ring count of every directory this client
+has watched before, *before* the state the caller then reads, and keeps it under the
+revision it returns. A later ``wait_for_change(dir, that_revision)`` then waits for the
+next ring alone: any write under the directory that lands after the caller's read rings
+above the kept count, so no event-log scan is needed (a scan reads every write since,
+keep-alives included: with thousands of waiters that is the N^2 the rendezvous avoids).
+A count that went down means the server restarted: a change is reported.
+
+Precision. :meth:`ChangeLog.revision` looks for writes still in flight among the newest
+``_NEWEST`` revisions only, and a cached ``get_prefix`` among the newest ``_RECENT`` (a check
+costs a name per revision; with thousands of writers a wider search cost each reader more
+than the rest of its reads together). A watch does not depend on it: a write that lands
+late rings late, and a watch without a token waits on the ring after its scan too. A cached
+``get_prefix`` re-reads everything at least every ``FULL_READ_S``, which bounds how long a
+write that landed later than that stays unseen.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flexrun.store.tcp import TcpStore
+
+_REV_KEY = "__flexrun/rev"
+_EV_PREFIX = "__flexrun/ev/"
+_EPOCH_KEY = "__flexrun/epoch"
+_INTERNAL = "__flexrun/"
+_CH_COUNT = "__flexrun/chn/"
+_CH_PREFIX = "__flexrun/ch/"
+EVENT_WINDOW = 8192  # event keys kept (writers delete ev/<rev - EVENT_WINDOW>)
+SCAN_LIMIT = 64  # a watch without a token further behind than this reports a change
+TOKENS = 64  # revisions whose ring counts are kept for a later wait_for_change
+WAIT_STEP_S = 5.0  # longest single server-side wait (bounds a ring lost by a dead writer)
+IN_FLIGHT_S = 1.0
+SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
+FULL_READ_S = 5.0  # a kept get_prefix is read in full again at least this often
+BATCH = 512  # keys per multi_get request
+_RECENT = 64  # how many of the newest revisions a cached get_prefix checks for writes in flight
+_NEWEST = 8  # how many revision() checks (a watch does not depend on it, see Precision)
+
+
+def dir_of(prefix: str) -> str:
+    """The directory whose channel rings for every key under ``prefix`` ("" for none)."""
+    return prefix[: prefix.rfind("/") + 1]
+
+
+class ChangeLog:
+    """Revisions and watches of one :class:`~flexrun.store.tcp.TcpStore` client."""
+
+    def __init__(self, client: TcpStore) -> None:
+        self.client = client
+        self._clock = client._clock
+        self._seen_lock = client._seen_lock
+        self._in_flight: dict[int, float] = {}
+        self._watched_dirs: set[str] = set()
+        self._tokens: OrderedDict[int, dict[str, int]] = OrderedDict()
+        self._complete = 0  # every revision up to this one is known to have landed
+
+    def _c(self) -> Any:
+        return self.client._c()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        return self.client._call(fn, *args)
+
+    def watching(self, directory: str) -> bool:
+        with self._seen_lock:
+            return directory in self._watched_dirs
+
+    def watched(self, directory: str) -> None:
+        with self._seen_lock:
+            self._watched_dirs.add(directory)
+
+    # -- revisions --------------------------------------------------------------------------
+    def revision(self) -> int:
+        """The highest revision below which every write has landed.
+
+        The counter may be ahead of the data: a writer takes its revision first and its
+        write lands a moment later. State read "at" the raw counter could miss that write,
+        and a watch from there would skip it; so report the revision just below the oldest
+        write still in flight (one abandoned for IN_FLIGHT_S by a dead writer is ignored).
+        """
+        return self._revision(_NEWEST)
+
+    def _revision(self, window: int) -> int:
+        """:meth:`revision`, looking for writes in flight among the newest ``window`` (the
+        precise window also skips what an earlier precise call found complete)."""
+        c = self._c()
+        with self._seen_lock:
+            dirs = sorted(self._watched_dirs)
+        rings = {d: int(self._call(c.add, f"{_CH_COUNT}{d}", 0)) for d in dirs}
+        current = int(self._call(c.add, _REV_KEY, 0))
+        precise = window >= _RECENT
+        with self._seen_lock:
+            if current < self._complete:
+                self._complete = 0  # a restarted server counts from 1 again
+            lo = max(1, current - window + 1, self._complete + 1 if precise else 1)
+        rev = self._logged_up_to(lo, current, self._in_flight)
+        with self._seen_lock:
+            if precise:
+                self._complete = max(self._complete, rev)
+            if rings:
+                self._tokens[rev] = rings
+                self._tokens.move_to_end(rev)
+                while len(self._tokens) > TOKENS:
+                    self._tokens.popitem(last=False)
+        return rev
+
+    def _logged_up_to(self, lo: int, hi: int, in_flight: dict[int, float]) -> int:
+        """The highest ``r <= hi`` such that every revision in ``lo..r`` is logged (or
+        abandoned: taken but not logged for IN_FLIGHT_S); ``lo - 1`` if none is."""
+        now = self._clock.monotonic()
+        while lo <= hi:
+            r = self._first_unlogged(lo, hi)
+            if r is None:
+                return hi
+            with self._seen_lock:
+                first = in_flight.setdefault(r, now)
+                if len(in_flight) > 4 * _RECENT:
+                    for old in sorted(in_flight)[: 2 * _RECENT]:
+                        del in_flight[old]
+            if now - first < IN_FLIGHT_S:
+                return r - 1
+            lo = r + 1  # abandoned by a writer that died between taking and logging it
+        return hi
+
+    def _first_unlogged(self, lo: int, hi: int) -> int | None:
+        """The oldest revision in ``lo..hi`` not in the event log, None if all are: one
+        request when all are logged, a bisection (log2 of the range) otherwise."""
+        c = self._c()
+
+        def logged(a: int, b: int) -> bool:
+            return bool(self._call(c.check, [f"{_EV_PREFIX}{r}" for r in range(a, b + 1)]))
+
+        if hi < lo or logged(lo, hi):
+            return None
+        a, b = lo, hi  # the first unlogged lies in a..b
+        while a < b:
+            mid = (a + b) // 2
+            if logged(a, mid):
+                a = mid + 1
+            else:
+                b = mid
+        return a
+
+    def _fetch_events(self, oldest: int, names: list[str]) -> list[Any] | None:
+        """``multi_get`` of keys just checked to exist, event keys from revision ``oldest``
+        on; None if writers may prune the oldest meanwhile (``TCPStore.get`` of a missing
+        key blocks until the op timeout: seen with 1024 agents, whose burst of writes pushed
+        the event window past a reader between its check and its read)."""
+        c = self._c()
+        if int(self._call(c.add, _REV_KEY, 0)) - oldest >= EVENT_WINDOW // 2:
+            return None
+        return list(self._call(c.multi_get, names))
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """The raw values of every key under ``prefix``; a repeated call fetches only what
+        was written since the last one (the event log names those keys), not every key
+        again, and everything at least every FULL_READ_S."""
+        c = self._c()
+        client = self.client
+        at = self._revision(_RECENT)  # every write up to here has landed and is logged
+        with self._seen_lock:
+            snap = client._snapshots.get(prefix)
+        raws: dict[str, bytes] | None = None
+        epoch = b""
+        now = self._clock.monotonic()
+        fresh = now - client._full_at.get(prefix, now - FULL_READ_S) < FULL_READ_S
+        if snap is not None and fresh and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
+            epoch = snap[0]
+            raws = self._catch_up(prefix, snap, at)
+        if raws is None:
+            with self._seen_lock:
+                client._full_at[prefix] = now
+            # This server's epoch: created by the first reader, gone if the server restarts.
+            epoch = bytes(self._call(c.compare_set, _EPOCH_KEY, b"", os.urandom(8).hex().encode()))
+            keys = sorted(
+                k
+                for k in self._call(c.list_keys)
+                if k.startswith(prefix) and not k.startswith(_INTERNAL)
+            )
+            raws = {}
+            for i in range(0, len(keys), BATCH):
+                part = keys[i : i + BATCH]
+                raws.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
+        with self._seen_lock:
+            old = client._snapshots.get(prefix)
+            if old is None or old[1] <= at:
+                client._snapshots[prefix] = (epoch, at, raws)
+                if len(client._snapshots) > SNAPSHOTS:
+                    del client._snapshots[next(iter(client._snapshots))]
+        return raws
+
+    def _catch_up(
+        self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
+    ) -> dict[str, bytes] | None:
+        """A snapshot's keys updated to revision ``at``; None: the log cannot tell."""
+        c = self._c()
+        epoch, since, raws = snap
+        names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in range(since + 1, at + 1)]
+        if not self._call(c.check, names):
+            return None  # a restarted server, a revision abandoned by a dead writer
+        got = self._fetch_events(since + 1, names)
+        if got is None or bytes(got[0]) != epoch:
+            return None  # a restarted server that has been written to since
+        logged = {bytes(k).decode() for k in got[1:]}
+        changed = sorted(
+            k for k in logged if k and k.startswith(prefix) and not k.startswith(_INTERNAL)
+        )
+        if not changed:
+            return raws
+        out = dict(raws)
+        for i in range(0, len(changed), BATCH):
+            part = changed[i : i + BATCH]
+            out.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
+        return out
+
+    # -- waiting ----------------------------------------------------------------------------
+    def wait_for_change(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[bool, int]:
+        deadline = self._clock.monotonic() + timeout_s
+        channel = dir_of(prefix)
+        if channel:
+            self.client._watch(channel)
+            with self._seen_lock:
+                token = self._tokens.get(since_revision, {}).get(channel)
+            if token is not None and prefix == channel:
+                return self._wait_ring(channel, token, since_revision, deadline)
+        return self._scan_and_wait(prefix, channel, since_revision, deadline)
+
+    def _wait_ring(self, channel: str, count: int, since: int, deadline: float) -> tuple[bool, int]:
+        """Wait for the ring after ``count`` (read before the caller's state read)."""
+        c = self._c()
+        while True:
+            ring = int(self._call(c.add, f"{_CH_COUNT}{channel}", 0))
+            if ring != count:  # rung since (or, below, a restarted server)
+                return True, self.revision()
+            remaining = deadline - self._clock.monotonic()
+            if remaining <= 0:
+                return False, since
+            self._server_wait(c, f"{_CH_PREFIX}{channel}{count + 1}", min(remaining, WAIT_STEP_S))
+
+    def _server_wait(self, c: Any, name: str, step_s: float) -> None:
+        try:
+            c.wait([name], timedelta(seconds=step_s))
+        except RuntimeError as exc:
+            if type(exc).__name__ == "DistNetworkError" or "timeout" not in str(exc).lower():
+                raise self.client._broken(exc) from exc
+
+    def _scan_and_wait(
+        self, prefix: str, channel: str, since: int, deadline: float
+    ) -> tuple[bool, int]:
+        """Without a token: read the event log from ``since``, then wait on the channel
+        (or on the log itself for a prefix with no directory)."""
+        seen = since
+        c = self._c()
+        in_flight: dict[int, float] = {}
+        last_ring: int | None = None
+        while True:
+            # Read the ring count *before* the log: a write logged after this read rings
+            # a number above it, one logged before is found in the log.
+            ring = int(self._call(c.add, f"{_CH_COUNT}{channel}", 0)) if channel else 0
+            if last_ring is not None and ring != last_ring and prefix == channel:
+                return True, self.revision()  # rung: a write under the directory
+            current = int(self._call(c.add, _REV_KEY, 0))
+            if current - seen > SCAN_LIMIT:
+                return True, self.revision()  # too far behind to tell: report a change
+            complete = self._logged_up_to(seen + 1, current, in_flight)
+            if complete > seen:
+                names = [f"{_EV_PREFIX}{r}" for r in range(seen + 1, complete + 1)]
+                if not self._call(c.check, names):
+                    # An abandoned revision in the range: read the logged ones one by one.
+                    names = [n for n in names if self._call(c.check, [n])]
+                got = self._fetch_events(seen + 1, names) if names else []
+                if got is None:
+                    return True, self.revision()  # the log moved on under us: report a change
+                keys = [bytes(v).decode() for v in got]
+                if any(k and k.startswith(prefix) for k in keys):
+                    return True, self.revision()
+                seen = complete
+            remaining = deadline - self._clock.monotonic()
+            if remaining <= 0:
+                return False, seen
+            rung = last_ring is None or last_ring < ring  # the first pass counts as rung
+            last_ring = ring
+            if channel and (seen >= current or not rung):
+                # Logs read up to a write still in flight (if any): a write under the
+                # prefix behind it rang before this read, so the channel alone could miss
+                # it; bound the wait by IN_FLIGHT_S then, and read the log again.
+                step = WAIT_STEP_S if seen >= current else IN_FLIGHT_S
+                name, step = f"{_CH_PREFIX}{channel}{ring + 1}", min(remaining, step)
+            else:
+                # Rung, but the write is behind one in flight: follow the log to it.
+                name = f"{_EV_PREFIX}{seen + 1}"
+                step = min(remaining, WAIT_STEP_S if seen >= current else IN_FLIGHT_S)
+            self._server_wait(c, name, step)
