@@ -154,6 +154,22 @@ class RankZero:
                 log.warning("could not log the %s event: %s", event, exc)
 
 
+def deferrable_tensors(
+    optimizers: list[torch.optim.Optimizer],
+) -> Callable[[torch.Tensor], bool] | None:
+    """Tensors only ``optimizer.step()`` changes: parameters and optimizer state."""
+    if not optimizers:
+        return None
+    ptrs: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            ptrs.update(p.data_ptr() for p in group["params"])
+        for st in opt.state.values():
+            ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+    ptrs.discard(0)
+    return lambda t: t.data_ptr() in ptrs
+
+
 class Checkpointer(RankZero):
     """Saves and restores registered state under a directory or fsspec URL.
 
@@ -253,14 +269,6 @@ class Checkpointer(RankZero):
         self._p.hold_until_copied()
 
     @property
-    def _fault_hook(self) -> FaultHook | None:
-        return self._p._fault_hook
-
-    @_fault_hook.setter
-    def _fault_hook(self, hook: FaultHook | None) -> None:  # tests inject faults here
-        self._p._fault_hook = hook
-
-    @property
     def last_stall_s(self) -> float:
         """How long the last save blocked training: inside ``save()`` plus any wait of the
         next ``optimizer.step()`` for the deferred copy (so far)."""
@@ -323,7 +331,7 @@ class Checkpointer(RankZero):
         foreground = blocking or not opts.async_save
         if self._ctx.is_main:
             background = not foreground
-            defer = self._deferrable() if background and opts.defer_copy else None
+            defer = deferrable_tensors(self._optimizers) if background and opts.defer_copy else None
             states = {name: obj.state_dict() for name, obj in self._objects.items()}
             copied, pending = self._snapshot.take(states, defer)
             synchronize_device()
@@ -373,19 +381,6 @@ class Checkpointer(RankZero):
             return
         self._closed = True
         self.wait()
-
-    def _deferrable(self) -> Callable[[torch.Tensor], bool] | None:
-        """Tensors only ``optimizer.step()`` changes: parameters and optimizer state."""
-        if not self._optimizers:
-            return None
-        ptrs: set[int] = set()
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                ptrs.update(p.data_ptr() for p in group["params"])
-            for st in opt.state.values():
-                ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-        ptrs.discard(0)
-        return lambda t: t.data_ptr() in ptrs
 
     def load(self, *, step: int | None = None) -> Loaded | None:
         """Restore the newest checkpoint that verifies (or exactly ``step``). Collective.

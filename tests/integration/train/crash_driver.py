@@ -63,7 +63,7 @@ def writer_stage(root: str, stage: str) -> None:
         if s == stage:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    c._fault_hook = hook
+    c._p._fault_hook = hook
     blob.set(2)
     c.save(2, blocking=True)
     os._exit(3)  # unreachable when the hook fires

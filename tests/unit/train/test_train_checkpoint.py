@@ -246,11 +246,11 @@ def test_failure_at_any_commit_stage_leaves_a_complete_checkpoint(
     first = m.weight.detach().clone()
     _train_step(m, o)
     second = m.weight.detach().clone()
-    c._fault_hook = hook
+    c._p._fault_hook = hook
     c.save(2)
     with pytest.raises(CheckpointError, match="injected"):
         c.wait()
-    c._fault_hook = None
+    c._p._fault_hook = None
     fresh = _ckpt(str(tmp_path))
     fresh.register("model", m)
     loaded = fresh.load()
