@@ -22,12 +22,21 @@ from flexrun.config.credentials import (
     read_secret_file,
     store_credentials,
 )
+from flexrun.config.netaddr import is_this_host
+from flexrun.config.parsing import (
+    DEFAULT_STORE_PORT,
+    env_default,
+    env_flag,
+    parse_endpoint,
+    parse_kv,
+    parse_nnodes,
+    parse_nproc,
+)
 from flexrun.config.settings import (
     BACKENDS,
     BACKENDS_ETCD,
     BACKENDS_TCP,
     DEFAULT_SIGNALS,
-    DEFAULT_STORE_PORT,
     START_METHODS,
     RendezvousSettings,
     RunConfig,
@@ -35,13 +44,6 @@ from flexrun.config.settings import (
     StdStreams,
     StoreSettings,
     default_node_id,
-    env_default,
-    env_flag,
-    is_this_host,
-    parse_endpoint,
-    parse_kv,
-    parse_nnodes,
-    parse_nproc,
     process_environ,
     resolve_mode,
     run_config_from_args,

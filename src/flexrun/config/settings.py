@@ -21,16 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexrun.config.netaddr import is_this_host
 from flexrun.config.parsing import (
-    DEFAULT_STORE_PORT,
     STREAMS,
-    env_default,
-    env_flag,
-    parse_endpoint,
-    parse_kv,
-    parse_nnodes,
-    parse_nproc,
     signal_numbers,
 )
 from flexrun.errors import ConfigError
@@ -42,29 +34,6 @@ BACKENDS_ETCD = ("etcd", "etcd-v3")
 BACKENDS = BACKENDS_TCP + BACKENDS_ETCD
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 START_METHODS = ("spawn", "fork", "forkserver")
-
-__all__ = [
-    "BACKENDS",
-    "BACKENDS_ETCD",
-    "BACKENDS_TCP",
-    "DEFAULT_STORE_PORT",
-    "RendezvousSettings",
-    "RunConfig",
-    "StaticJob",
-    "StdStreams",
-    "StoreSettings",
-    "default_node_id",
-    "env_default",
-    "env_flag",
-    "is_this_host",
-    "parse_endpoint",
-    "parse_kv",
-    "parse_nnodes",
-    "parse_nproc",
-    "process_environ",
-    "resolve_mode",
-    "run_config_from_args",
-]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
