@@ -96,7 +96,10 @@ def test_a_url_checkpoint_parses_with_its_options() -> None:
             {"url": URL, "storageOptions": {"when": float("nan")}},
             "spec.checkpoint.storageOptions: must hold only JSON values",
         ),
-        ({"size": "1Ti", "storageOptions": OPTIONS}, "spec.checkpoint.storageOptions: only with url"),
+        (
+            {"size": "1Ti", "storageOptions": OPTIONS},
+            "spec.checkpoint.storageOptions: only with url",
+        ),
         ({"url": URL, "bucket": "x"}, "spec.checkpoint.bucket: unknown field"),
     ],
 )
