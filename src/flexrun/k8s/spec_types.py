@@ -153,6 +153,12 @@ class Resources:
 _VOLUME_FIELDS = ("mountPath", "existingClaim", "size", "storageClass", "accessMode")
 
 
+POD_LOCAL_PROTOCOLS = frozenset(
+    {"file", "local", "memory", "simplecache", "filecache", "blockcache"}
+)
+"""fsspec protocols whose data stays in the pod (a checkpoint there dies with it)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointVolume:
     """Where checkpoints live: a PVC mounted into every Worker pod, or (``url``) an object
@@ -212,6 +218,13 @@ class CheckpointVolume:
     def _check_url(self) -> None:
         assert self.url is not None
         check_url(self.url, "spec.checkpoint.url", error=SpecError)
+        protocol = self.url.rsplit("::", 1)[-1].split("://", 1)[0].lower()
+        if protocol in POD_LOCAL_PROTOCOLS:
+            raise fail(
+                "spec.checkpoint.url",
+                f"{protocol}:// lives inside the pod and is lost with it; use an object store "
+                "(s3://, gs://, az:// ...) or a volume (size/existingClaim instead of url)",
+            )
         for key, value in (
             ("existingClaim", self.existing_claim),
             ("size", self.size),
@@ -219,7 +232,9 @@ class CheckpointVolume:
         ):
             if value is not None:
                 raise fail(f"spec.checkpoint.{key}", "contradicts url (no volume is rendered)")
-        spec_storage_options(self.storage_options, "spec.checkpoint.storageOptions", error=SpecError)
+        spec_storage_options(
+            self.storage_options, "spec.checkpoint.storageOptions", error=SpecError
+        )
 
     @property
     def location(self) -> str:

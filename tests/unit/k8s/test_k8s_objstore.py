@@ -59,7 +59,7 @@ def test_a_url_checkpoint_parses_with_its_options() -> None:
     assert spec.checkpoint.url == URL and not spec.checkpoint.has_volume
     assert spec.checkpoint.location == URL
     assert spec.checkpoint.storage_options == OPTIONS
-    for url in ("gs://b/p", "abfs://container/dir", "simplecache::s3://b/p", "memory://x"):
+    for url in ("gs://b/p", "abfs://container/dir", "simplecache::s3://b/p", "az://c/d"):
         assert parse_job_spec(_spec({"url": url})).checkpoint.location == url  # type: ignore[union-attr]
 
 
@@ -74,6 +74,8 @@ def test_a_url_checkpoint_parses_with_its_options() -> None:
         ),
         ({"url": "/checkpoints"}, "spec.checkpoint.url: '/checkpoints' is not an fsspec URL"),
         ({"url": "s3://"}, "spec.checkpoint.url: 's3://' is not an fsspec URL"),
+        ({"url": "file:///ckpt"}, "spec.checkpoint.url: file:// lives inside the pod"),
+        ({"url": "memory://ckpt"}, "spec.checkpoint.url: memory:// lives inside the pod"),
         ({"url": URL, "size": "1Ti"}, "spec.checkpoint.size: contradicts url"),
         ({"url": URL, "existingClaim": "c"}, "spec.checkpoint.existingClaim: contradicts url"),
         ({"url": URL, "storageClass": "nfs"}, "spec.checkpoint.storageClass: contradicts url"),
