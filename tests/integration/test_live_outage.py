@@ -25,7 +25,9 @@ from flexrun.store.tcp import TcpStore
 
 def start_store(procs: Procs, port: int, name: str):  # type: ignore[no-untyped-def]
     store = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name=name)
-    wait_for(lambda: "listening" in (procs.tmp / f"{name}.out").read_text(), 30, f"{name} to listen")
+    wait_for(
+        lambda: "listening" in (procs.tmp / f"{name}.out").read_text(), 30, f"{name} to listen"
+    )
     return store
 
 
@@ -40,9 +42,7 @@ def test_a_live_job_keeps_its_worker_pids_and_trains_on_through_a_10s_store_rest
     port = free_port()
     store = start_store(procs, port, "store1")
     progress = procs.tmp / "p.jsonl"
-    a = start_live_node(
-        procs, f"127.0.0.1:{port}", "a", progress, "--warm-spares", "0", nproc=2
-    )
+    a = start_live_node(procs, f"127.0.0.1:{port}", "a", progress, "--warm-spares", "0", nproc=2)
     pids = live_workers(procs.tmp / "run-a", 2)
     wait_for(lambda: steps_after(progress, 0), 90, "node a to train")
 

@@ -320,7 +320,9 @@ class Agent:
                 now - self._outage_since,
                 exc,
             )
-            self.events.emit("store_lost", error=str(exc), down_s=round(now - self._outage_since, 3))
+            self.events.emit(
+                "store_lost", error=str(exc), down_s=round(now - self._outage_since, 3)
+            )
             return True
         self._outage_tries += 1
         self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))

@@ -124,7 +124,6 @@ class EpochPublisher:
                 " (abort)" if rec.abort else "",
             )
 
-
     def _restored(
         self, rnd: RoundRecord, records: dict[str, tuple[str, ...]], members: list[str]
     ) -> EpochRecord | None:

@@ -31,7 +31,6 @@ def connect(settings: StoreSettings, endpoint: tuple[str, int] | None = None) ->
 
         store = EtcdStore.from_settings(settings)
     else:
-
         if endpoint is None:
             if not settings.endpoints:
                 raise ConfigError("no store endpoint given (--rdzv-endpoint HOST:PORT)")

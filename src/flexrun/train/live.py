@@ -173,9 +173,7 @@ class LiveLoop:
         self._params = [p for p in model.parameters()]
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
-        self.group = EpochGroup(
-            self.env, timeout_s=timeout_s, environ=env_vars, events=self.events
-        )
+        self.group = EpochGroup(self.env, timeout_s=timeout_s, environ=env_vars, events=self.events)
         self.durable = LiveDurability(
             checkpoint_dir, model=model, optimizer=optimizer, env=self.env, events=self.events
         )

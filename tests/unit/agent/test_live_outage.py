@@ -52,7 +52,9 @@ class SwitchedStore:
     def put_many(self, items: Mapping[str, bytes]) -> int:
         return self._up().put_many(items)
 
-    def compare_and_set(self, key: str, value: bytes, *, expected_revision: int) -> tuple[bool, int]:
+    def compare_and_set(
+        self, key: str, value: bytes, *, expected_revision: int
+    ) -> tuple[bool, int]:
         return self._up().compare_and_set(key, value, expected_revision=expected_revision)
 
 
