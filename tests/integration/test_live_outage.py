@@ -10,6 +10,7 @@ import pytest
 from live_support import LIVE_STEPS, live_workers, start_live_node
 from support import (
     DDP_STEPS,
+    HB,
     Procs,
     endless,
     free_port,
@@ -21,6 +22,8 @@ from support import (
 
 from flexrun.live_protocol import EpochRecord, LiveKeys
 from flexrun.store.tcp import TcpStore
+
+HB_NO_HOST = HB + ",is_host=false"
 
 
 def start_store(procs: Procs, port: int, name: str):  # type: ignore[no-untyped-def]
@@ -85,7 +88,10 @@ def test_an_agent_started_while_the_store_is_down_joins_once_it_is_back(procs: P
     progress = procs.tmp / "p.jsonl"
     agent = procs.start(
         [
-            *node_args(f"127.0.0.1:{port}", "a", procs.tmp / "run-a", nproc=2, nnodes="1"),
+            # (is_host=false: the endpoint is this host, but the store is a `flexrun store`)
+            *node_args(
+                f"127.0.0.1:{port}", "a", procs.tmp / "run-a", nproc=2, nnodes="1", conf=HB_NO_HOST
+            ),
             *endless(DDP_STEPS, progress),
         ],
         name="a",
@@ -95,6 +101,8 @@ def test_an_agent_started_while_the_store_is_down_joins_once_it_is_back(procs: P
     start_store(procs, port, "store")
     wait_for(lambda: read_progress(progress), 120, "the agent to join and train")
     assert agent.poll() is None
+    kinds = [e["event"] for e in read_events(procs.tmp / "run-a")]
+    assert "node_joined" in kinds
 
 
 @pytest.mark.timeout(240)
