@@ -538,8 +538,8 @@ def burst_trial(
             by_rank: dict[int, int] = {}
             for r in sorted(rows, key=lambda r: r["ts"]):
                 by_rank[r["rank"]] = r["pid"]
+            # (Not every descendant seen: a warm spare becomes a worker with its own pid.)
             old_pids = {w.pid for w in procs.workers(agent)} | {r["pid"] for r in rows}
-            old_pids |= set(procs.seen)
             victim = by_rank[victim_rank]
             last_step = max(r["step"] for r in rows)
             spares = ready_spares(run_dir)
