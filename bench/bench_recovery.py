@@ -593,7 +593,7 @@ def bench_burst(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         name = f"flexrun restart (--warm-spares {a.burst_spares})"
     restart = Launcher(name, "restart", timeout=a.trial_timeout, spares=a.burst_spares)
     if a.burst_spares is not None:
-        restart.wait_spares = 4  # (the first kill needs one restart's worth ready)
+        restart.wait_spares = a.burst_wait
     torch_ok = Launcher(
         "torchrun (SHARE_RDZV_TCP_STORE off)", "torchrun", dict(SHARE_OFF), timeout=a.trial_timeout
     )
@@ -957,8 +957,14 @@ def main() -> int:
         "--burst-spares",
         type=int,
         default=None,
-        help="burst: flexrun's --warm-spares (default: flexrun's own default); the first kill "
-        "waits for 4 ready spares",
+        help="burst: flexrun's --warm-spares (default: flexrun's own default)",
+    )
+    ap.add_argument(
+        "--burst-wait",
+        type=int,
+        default=4,
+        help="burst with --burst-spares: ready spares the first kill waits for (default 4: one "
+        "restart's worth; the whole pool for a job that has run a while)",
     )
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
