@@ -989,6 +989,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed for the killed ranks")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
     a = ap.parse_args()
+    # A SIGTERM (`timeout`) unwinds like ^C: every trial's finally kills what it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     base = Path(tempfile.mkdtemp(prefix="flexrun-bench-"))
     t_all = time.monotonic()
