@@ -214,15 +214,10 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     module = bool(a["module"]) and not run_path
     no_python = bool(a["no_python"]) and not run_path
     mode = resolve_mode(str(a["mode"]), a["training_script"], module=module or no_python)
-    if bool(a.get("standalone")) and secret is None and mode != "live":
+    if bool(a.get("standalone")) and secret is None:
+        # (Live workers sign too: the agent gives them the secret as a file,
+        # FLEXRUN_JOB_SECRET_FILE, read by flexrun.store.factory.connect_from_env.)
         store = replace(store, secret=generated_secret())
-    if mode == "live" and secret is not None:
-        # Live workers open the store themselves (flexrun.train.live_group) and do not sign
-        # yet: store.factory.connect_from_env is their signing client, to be wired in.
-        raise ConfigError(
-            "--mode live with a job secret: live workers cannot authenticate store records "
-            "yet; run restart mode, or live mode without FLEXRUN_JOB_SECRET_FILE/secret_file"
-        )
     spares_raw = a["warm_spares"]
     spares = (
         _int(spares_raw, "--warm-spares")
