@@ -309,6 +309,9 @@ def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
     if cause is None:
         print(f"flexrun: {reason}", file=sys.stderr)
         return
+    if cause.kind == "node_lost":  # a whole node, not one worker
+        print(f"flexrun: {reason}. Root cause: {cause.message}", file=sys.stderr)
+        return
     sig = f" ({cause.signal})" if cause.signal else ""
     print(
         f"flexrun: {reason}. Root cause: rank {cause.rank} on node {cause.node} "

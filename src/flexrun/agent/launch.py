@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
@@ -16,7 +17,7 @@ from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
-from flexrun.rendezvous import NodeRecord, RendezvousHandler
+from flexrun.rendezvous import MasterRecord, NodeRecord, RendezvousHandler, RoundRecord
 from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
 from flexrun.store.factory import connect
@@ -67,7 +68,14 @@ def build_agent(
     Raises:
         ConfigError: live mode without the tcp store.
     """
-    me = NodeRecord(config.node_id, config.local_addr, config.nproc_per_node, pid=os.getpid())
+    static = config.static
+    me = NodeRecord(
+        config.node_id,
+        config.local_addr,
+        config.nproc_per_node,
+        pid=os.getpid(),
+        rank=static.node_rank if static is not None else -1,
+    )
     rdzv = RendezvousHandler(
         store, run_id=config.run_id, me=me, settings=config.rendezvous, events=events
     )
@@ -88,12 +96,16 @@ def build_agent(
         )
     else:
         timeout = config.rendezvous.join_timeout_s
+        masters: Callable[[RoundRecord], MasterRecord | None]
+        if static is not None:
+            # torchrun's view: the workers meet at the given master, in the store that
+            # node rank 0's agent hosts there (TORCHELASTIC_USE_AGENT_STORE=True).
+            given = MasterRecord(static.master_addr, static.master_port)
+            masters = lambda rnd: given  # noqa: E731
+        else:
+            masters = lambda rnd: rdzv.master_for(rnd, timeout_s=timeout)  # noqa: E731
         runner = RestartRunner(
-            config,
-            node_id=me.node_id,
-            events=events,
-            masters=lambda rnd: rdzv.master_for(rnd, timeout_s=timeout),
-            pool=pool,
+            config, node_id=me.node_id, events=events, masters=masters, pool=pool
         )
     return Agent(config, rdzv, runner, events=events)
 

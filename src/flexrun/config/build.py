@@ -192,6 +192,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         heartbeat_interval_s=conf.heartbeat_interval_s,
         heartbeat_timeout_s=conf.heartbeat_timeout_s,
         max_restarts=_int(a["max_restarts"], "--max-restarts"),
+        static=static is not None,
     )
     store = StoreSettings(
         backend=shape.backend,

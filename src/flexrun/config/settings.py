@@ -55,6 +55,10 @@ class RendezvousSettings:
     """A node whose keep-alive is older than this is declared lost."""
     max_restarts: int = 3
     """Failures tolerated per job (membership changes do not count)."""
+    static: bool = False
+    """A fixed world (torchrun's static rendezvous, :class:`StaticJob`): a round holds
+    exactly ``max_nodes`` nodes ordered by node rank, and a lost node is a failure of the
+    job (exit 200, or a restart of the whole world once every node rank is back)."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
