@@ -122,3 +122,21 @@ def test_with_max_restarts_the_world_restarts_once_the_lost_node_is_back(procs: 
     assert last == {0: 59, 1: 59}
     attempts = {r["attempt"] for r in rows}
     assert len(attempts) == 2, attempts  # the first world and the restarted one
+
+
+@pytest.mark.timeout(240)
+def test_losing_node_rank_0_and_its_store_ends_the_job_on_the_others(procs: Procs) -> None:
+    port = free_port()
+    progress, ckpt = procs.tmp / "progress.jsonl", procs.tmp / "ckpt.pt"
+    script = steps(progress, ckpt, 100000)
+    n0 = start_node(procs, port, 0, script, *HB, "--max-restarts", "1")
+    n1 = start_node(procs, port, 1, script, *HB, "--max-restarts", "1")
+    wait_for(lambda: len(read_progress(progress)) >= 6, 120, "the 2-node world to train")
+    kill_node(n0)
+    t_kill = time.monotonic()
+    rc = n1.wait(timeout=60)
+    took = time.monotonic() - t_kill
+    err = procs.stderr("node1")
+    assert rc == 200, err[-3000:]
+    assert took <= HB_TIMEOUT_S + SLACK_S, f"took {took:.1f}s"
+    assert "node rank 0" in err and "lost" in err, err[-3000:]

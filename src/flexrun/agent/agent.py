@@ -29,6 +29,7 @@ from flexrun.exitcodes import for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import FAILED, RUNNING
+from flexrun.rendezvous.static import store_host_lost
 
 log = logging.getLogger("flexrun.agent")
 
@@ -151,6 +152,10 @@ class Agent:
                 code = self._tick()
             except StoreUnavailable as exc:
                 self._on_outage(exc)
+                lost = self._store_host_lost()
+                if lost is not None:
+                    self._follow(Exit(lost.exit_code, "job failed: node_lost", lost))
+                    return lost.exit_code
                 continue
             if self._outage_since is not None:
                 down = self.clock.monotonic() - self._outage_since
@@ -284,6 +289,15 @@ class Agent:
         self.uptime.stop(productive=productive)
 
     # -- store outages ----------------------------------------------------------------------
+    def _store_host_lost(self) -> FailureCause | None:
+        """A static job whose store (node rank 0's agent) is gone for a heartbeat timeout."""
+        static, since = self.config.static, self._outage_since
+        if static is None or since is None:
+            return None
+        master = f"{static.master_addr}:{static.master_port}"
+        outage_s = self.clock.monotonic() - since
+        return store_host_lost(static.node_rank, master, outage_s, self.config.rendezvous)
+
     def _on_outage(self, exc: StoreUnavailable) -> None:
         """The store is unreachable: keep the workers (their process group is formed),
         retry with backoff, and only give up when no workers run for a join timeout."""

@@ -152,8 +152,29 @@ def decide_static(view: View, settings: RendezvousSettings) -> Action:
     return Propose(rec, r.number if r is not None else 0, joined=rec_ids(rec))
 
 
+def store_host_lost(
+    node_rank: int, master: str, outage_s: float, settings: RendezvousSettings
+) -> FailureCause | None:
+    """Node rank 0 hosts a static job's store: another node that cannot reach the store
+    for longer than the heartbeat timeout has lost node rank 0, and the job ends with exit
+    200 whatever ``--max-restarts`` says (the store and its rounds went with that node;
+    the scheduler restarts the world). None: not (yet) a loss."""
+    if node_rank == 0 or outage_s <= settings.heartbeat_timeout_s:
+        return None
+    return FailureCause(
+        exit_code=NODE_LOST,
+        message=(
+            f"node rank 0 of the static job was lost: its store at {master} has been "
+            f"unreachable for {outage_s:.1f}s (heartbeat timeout "
+            f"{settings.heartbeat_timeout_s:g}s)"
+        ),
+        node="node-rank-0",
+        kind="node_lost",
+    )
+
+
 def rec_ids(rec: RoundRecord) -> tuple[str, ...]:
     return tuple(rec.member_ids)
 
 
-__all__ = ["after_loss", "by_rank", "decide_static", "static_members"]
+__all__ = ["after_loss", "by_rank", "decide_static", "static_members", "store_host_lost"]

@@ -105,3 +105,13 @@ def test_a_full_world_runs_and_an_extra_node_is_a_standby() -> None:
     assert isinstance(decide_static(view("a", r, alive, running=1), S), Wait)
     a = decide_static(view("c", r, alive), S)
     assert isinstance(a, Wait) and "standby" in a.reason
+
+
+def test_an_unreachable_store_past_the_heartbeat_timeout_is_node_rank_0_lost() -> None:
+    from flexrun.rendezvous.static import store_host_lost
+
+    assert store_host_lost(1, "10.0.0.1:29500", 2.0, S) is None  # within the timeout
+    assert store_host_lost(0, "10.0.0.1:29500", 60.0, S) is None  # node 0 hosts it itself
+    cause = store_host_lost(1, "10.0.0.1:29500", 3.5, S)
+    assert cause is not None and cause.exit_code == NODE_LOST and cause.kind == "node_lost"
+    assert "node rank 0" in cause.message and "10.0.0.1:29500" in cause.message
