@@ -61,6 +61,7 @@ def test_static_job_from_the_five_trainer_v2_variables(script: str) -> None:
     c = cfg([script], env)
     assert c.static is not None and c.static.hosts_store and c.store.host_store
     assert (c.static.nnodes, c.static.master_port, c.nproc_per_node) == (2, 29512, 3)
+    assert c.rendezvous.static and c.rendezvous.min_nodes == c.rendezvous.max_nodes == 2
 
 
 def test_nnodes_above_one_without_master_port_is_static_on_29500(script: str) -> None:
