@@ -138,5 +138,7 @@ def test_losing_node_rank_0_and_its_store_ends_the_job_on_the_others(procs: Proc
     took = time.monotonic() - t_kill
     err = procs.stderr("node1")
     assert rc == 200, err[-3000:]
-    assert took <= HB_TIMEOUT_S + SLACK_S, f"took {took:.1f}s"
+    # The store's outage counts from the first failed store call (the workers' failure is
+    # looked into for up to 1 s first); every retry probes the store for up to 1 s.
+    assert took <= HB_TIMEOUT_S + SLACK_S + 5, f"took {took:.1f}s"
     assert "node rank 0" in err and "lost" in err, err[-3000:]
