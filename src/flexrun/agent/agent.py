@@ -294,9 +294,9 @@ class Agent:
         static, since = self.config.static, self._outage_since
         if static is None or since is None:
             return None
-        master = f"{static.master_addr}:{static.master_port}"
+        host, port = self.config.store.endpoints[0]
         outage_s = self.clock.monotonic() - since
-        return store_host_lost(static.node_rank, master, outage_s, self.config.rendezvous)
+        return store_host_lost(static.node_rank, f"{host}:{port}", outage_s, self.config.rendezvous)
 
     def _on_outage(self, exc: StoreUnavailable) -> None:
         """The store is unreachable: keep the workers (their process group is formed),

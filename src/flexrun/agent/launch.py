@@ -13,6 +13,7 @@ from collections.abc import Callable
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
 from flexrun.agent.runner import Runner
+from flexrun.agent.static_store import WorkerStores
 from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import ConfigError, StoreUnavailable
@@ -62,6 +63,7 @@ def build_agent(
     events: EventLog,
     pool: WarmPool | None = None,
     live_spares: WarmPool | None = None,
+    worker_stores: WorkerStores | None = None,
 ) -> Agent:
     """This node's agent over ``store``, with the runner of ``config.mode``.
 
@@ -98,10 +100,11 @@ def build_agent(
         timeout = config.rendezvous.join_timeout_s
         masters: Callable[[RoundRecord], MasterRecord | None]
         if static is not None:
-            # torchrun's view: the workers meet at the given master, in the store that
-            # node rank 0's agent hosts there (TORCHELASTIC_USE_AGENT_STORE=True).
-            given = MasterRecord(static.master_addr, static.master_port)
-            masters = lambda rnd: given  # noqa: E731
+            # torchrun's view: the workers meet at the given master, in a store that
+            # node rank 0's agent hosts there afresh every round.
+            masters = worker_stores.for_round if worker_stores is not None else (
+                WorkerStores(static).for_round
+            )
         else:
             masters = lambda rnd: rdzv.master_for(rnd, timeout_s=timeout)  # noqa: E731
         runner = RestartRunner(
@@ -128,6 +131,7 @@ def launch(config: RunConfig) -> int:
         pool.fill()
     metrics = follower = None
     sampler = None
+    worker_stores: WorkerStores | None = None
     store: Store | None = None
     server: object | None = None
     try:
@@ -151,8 +155,18 @@ def launch(config: RunConfig) -> int:
                 events.emit, interval_s=config.resource_interval_s, disk_path=str(config.run_dir)
             )
             sampler.start()
-        return build_agent(config, store, events=events, pool=pool, live_spares=live_spares).run()
+        worker_stores = WorkerStores(config.static) if config.static is not None else None
+        return build_agent(
+            config,
+            store,
+            events=events,
+            pool=pool,
+            live_spares=live_spares,
+            worker_stores=worker_stores,
+        ).run()
     finally:
+        if worker_stores is not None:
+            worker_stores.close()
         for p in (pool, live_spares):
             if p is not None:
                 p.close()
