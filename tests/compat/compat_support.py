@@ -180,7 +180,7 @@ def start(case: Case, launcher: str, workdir: Path) -> tuple[Run, list[subproces
             assert p.stdin is not None
             p.stdin.write(case.stdin)
             p.stdin.close()
-    return Run(launcher, workdir), procs
+    return Run(launcher, workdir, port=port), procs
 
 
 class _PtyReader(threading.Thread):

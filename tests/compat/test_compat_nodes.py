@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from compat_checks import pending, same_env, succeeded
+from compat_checks import same_env, succeeded
 from compat_support import Case, Runner, finish, kill_tree, start, wait_for_probes
 
 TRAIN = ("--train", "3")
@@ -72,14 +72,12 @@ def test_elastic_agents_see_the_same_environment(runner: Runner) -> None:
 STATIC = [STATIC_FLAGS, STATIC_PET, EXPLICIT_STATIC]
 
 
-@pending("the static rendezvous (GROUP_RANK = node rank, MASTER_PORT = --master-port, agent store)")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", STATIC, ids=[c.name for c in STATIC])
 def test_static_nodes_see_torchruns_environment(runner: Runner, case: Case) -> None:
     same_env(runner(case), 2, run_id="none", given_port=True)
 
 
-@pending("the static rendezvous (MASTER_ADDR/MASTER_PORT = the given master, agent store)")
 @pytest.mark.timeout(300)
 def test_a_one_node_static_job_uses_the_given_master(runner: Runner) -> None:
     runs = runner(STATIC_ONE)
@@ -97,7 +95,6 @@ STATIC_LOSS = Case(
 )  # fmt: skip
 
 
-@pending("a static job ending with exit 200 (NODE_LOST) when a node's heartbeat stops")
 @pytest.mark.timeout(300)
 def test_a_lost_static_node_ends_the_job_with_node_lost(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Beyond torchrun (whose survivors wait in a collective): flexrun only."""

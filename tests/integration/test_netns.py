@@ -165,11 +165,6 @@ def test_two_hosts_train_and_survive_one_with_the_interface_given(hosts: Hosts) 
     _train_then_lose_the_second_host(hosts, give_interface=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21: the agent passes worker_envs(settings=config) (agent.py, live.py), "
-    "so workers get GLOO_SOCKET_IFNAME of the route's interface; not built yet",
-)
 @pytest.mark.timeout(240)
 def test_two_hosts_train_with_default_flags_and_survive_losing_one(hosts: Hosts) -> None:
     _train_then_lose_the_second_host(hosts, give_interface=False)

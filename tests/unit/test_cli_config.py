@@ -45,7 +45,8 @@ def test_static_job_from_flags(script: str) -> None:
     assert (c.static.nnodes, c.static.node_rank) == (2, 1)
     assert (c.static.master_addr, c.static.master_port) == ("127.0.0.1", 29511)
     assert not c.static.hosts_store and not c.store.host_store
-    assert c.store.backend == "static" and c.store.endpoints == (("127.0.0.1", 29511),)
+    # flexrun's store at the next port: the workers' store at the master port is new each round.
+    assert c.store.backend == "static" and c.store.endpoints == (("127.0.0.1", 29512),)
     assert c.rendezvous.min_nodes == c.rendezvous.max_nodes == 2
     assert c.run_id == "none"  # torchrun's default id
 
@@ -61,6 +62,7 @@ def test_static_job_from_the_five_trainer_v2_variables(script: str) -> None:
     c = cfg([script], env)
     assert c.static is not None and c.static.hosts_store and c.store.host_store
     assert (c.static.nnodes, c.static.master_port, c.nproc_per_node) == (2, 29512, 3)
+    assert c.rendezvous.static and c.rendezvous.min_nodes == c.rendezvous.max_nodes == 2
 
 
 def test_nnodes_above_one_without_master_port_is_static_on_29500(script: str) -> None:

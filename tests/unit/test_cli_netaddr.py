@@ -139,3 +139,13 @@ def test_numa_cpu_sets_come_from_torchs_choice_per_local_rank(
     with pytest.raises(ConfigError, match="3 workers but 2 visible GPUs"):
         numa.cpus_per_local_rank("node", 3)
     assert numa.ranges(frozenset({0, 1, 2, 5, 7, 8})) == "0-2,5,7-8"
+
+
+def test_a_static_job_gives_workers_torchruns_agent_store_view(tmp_path: Path) -> None:
+    from flexrun.config import StaticJob
+
+    static = StaticJob(nnodes=2, node_rank=0, master_addr="10.1.2.3", master_port=29500)
+    env = _envs(_settings(tmp_path, static=static))[1]
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.1.2.3", "1234")  # the given master
+    assert _envs(_settings(tmp_path))[0]["TORCHELASTIC_USE_AGENT_STORE"] == "False"

@@ -29,6 +29,7 @@ from flexrun.exitcodes import STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import FAILED, RUNNING
+from flexrun.rendezvous.static import store_host_lost
 
 log = logging.getLogger("flexrun.agent")
 
@@ -153,6 +154,10 @@ class Agent:
             except StoreUnavailable as exc:
                 if self._on_outage(exc):
                     return STORE_LOST
+                lost = self._store_host_lost()
+                if lost is not None:
+                    self._follow(Exit(lost.exit_code, "job failed: node_lost", lost))
+                    return lost.exit_code
                 continue
             if self._outage_since is not None:
                 down = self.clock.monotonic() - self._outage_since
@@ -287,6 +292,15 @@ class Agent:
         self.uptime.stop(productive=productive)
 
     # -- store outages ----------------------------------------------------------------------
+    def _store_host_lost(self) -> FailureCause | None:
+        """A static job whose store (node rank 0's agent) is gone for a heartbeat timeout."""
+        static, since = self.config.static, self._outage_since
+        if static is None or since is None:
+            return None
+        host, port = self.config.store.endpoints[0]
+        outage_s = self.clock.monotonic() - since
+        return store_host_lost(static.node_rank, f"{host}:{port}", outage_s, self.config.rendezvous)
+
     def _join(self) -> int | None:
         """Announce this node, waiting out a store outage (a store restarted while this
         agent starts): None once joined, STORE_LOST after a join timeout without it."""
@@ -333,6 +347,9 @@ class Agent:
 def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
     if cause is None:
         print(f"flexrun: {reason}", file=sys.stderr)
+        return
+    if cause.kind == "node_lost":  # a whole node, not one worker
+        print(f"flexrun: {reason}. Root cause: {cause.message}", file=sys.stderr)
         return
     sig = f" ({cause.signal})" if cause.signal else ""
     print(

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
 from flexrun.agent.runner import Runner
+from flexrun.agent.static_store import WorkerStores
 from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
-from flexrun.rendezvous import NodeRecord, RendezvousHandler
+from flexrun.rendezvous import MasterRecord, NodeRecord, RendezvousHandler, RoundRecord
 from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
 from flexrun.store.factory import connect, tcp_address
@@ -60,13 +62,21 @@ def build_agent(
     events: EventLog,
     pool: WarmPool | None = None,
     live_spares: WarmPool | None = None,
+    worker_stores: WorkerStores | None = None,
 ) -> Agent:
     """This node's agent over ``store``, with the runner of ``config.mode``.
 
     Raises:
         ConfigError: live mode without the tcp store.
     """
-    me = NodeRecord(config.node_id, config.local_addr, config.nproc_per_node, pid=os.getpid())
+    static = config.static
+    me = NodeRecord(
+        config.node_id,
+        config.local_addr,
+        config.nproc_per_node,
+        pid=os.getpid(),
+        rank=static.node_rank if static is not None else -1,
+    )
     rdzv = RendezvousHandler(
         store, run_id=config.run_id, me=me, settings=config.rendezvous, events=events
     )
@@ -88,12 +98,17 @@ def build_agent(
         )
     else:
         timeout = config.rendezvous.join_timeout_s
+        masters: Callable[[RoundRecord], MasterRecord | None]
+        if static is not None:
+            # torchrun's view: the workers meet at the given master, in a store that
+            # node rank 0's agent hosts there afresh every round.
+            masters = worker_stores.for_round if worker_stores is not None else (
+                WorkerStores(static).for_round
+            )
+        else:
+            masters = lambda rnd: rdzv.master_for(rnd, timeout_s=timeout)  # noqa: E731
         runner = RestartRunner(
-            config,
-            node_id=me.node_id,
-            events=events,
-            masters=lambda rnd: rdzv.master_for(rnd, timeout_s=timeout),
-            pool=pool,
+            config, node_id=me.node_id, events=events, masters=masters, pool=pool
         )
     return Agent(config, rdzv, runner, events=events)
 
@@ -116,6 +131,7 @@ def launch(config: RunConfig) -> int:
         pool.fill()
     metrics = follower = None
     sampler = None
+    worker_stores: WorkerStores | None = None
     store: Store | None = None
     server: object | None = None
     try:
@@ -139,8 +155,18 @@ def launch(config: RunConfig) -> int:
                 events.emit, interval_s=config.resource_interval_s, disk_path=str(config.run_dir)
             )
             sampler.start()
-        return build_agent(config, store, events=events, pool=pool, live_spares=live_spares).run()
+        worker_stores = WorkerStores(config.static) if config.static is not None else None
+        return build_agent(
+            config,
+            store,
+            events=events,
+            pool=pool,
+            live_spares=live_spares,
+            worker_stores=worker_stores,
+        ).run()
     finally:
+        if worker_stores is not None:
+            worker_stores.close()
         for p in (pool, live_spares):
             if p is not None:
                 p.close()

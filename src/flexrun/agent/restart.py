@@ -97,7 +97,10 @@ class RestartRunner:
             role=c.role,
             run_id=c.run_id,
             run_dir=c.run_dir,
-            restart_count=self.runs,
+            # A static world shares one agent store: every node must use the same
+            # /worker/attempt_<restart count> prefix there, so the round's count (a node
+            # that rejoined has started fewer rounds itself).
+            restart_count=rnd.restarts if c.static is not None else self.runs,
             max_restarts=c.rendezvous.max_restarts,
             settings=c,
         )

@@ -62,8 +62,9 @@ def worker_envs(
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
             TORCHELASTIC_RUN_ID=run_id,
-            # Rank 0 hosts this round's fresh process-group store at MASTER_PORT.
-            TORCHELASTIC_USE_AGENT_STORE="False",
+            # Elastic: rank 0 hosts this round's fresh process-group store at MASTER_PORT.
+            # Static: as torchrun, node rank 0's agent hosts it at the given master.
+            TORCHELASTIC_USE_AGENT_STORE=str(settings is not None and settings.static is not None),
             FLEXRUN_ROUND=str(rnd.number),
             FLEXRUN_RUN_DIR=str(run_dir),
             FLEXRUN_RUN_ID=run_id,

@@ -179,11 +179,13 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     for line in conf.notes:
         log.info("%s", line)
     static = None
+    store_endpoints = shape.endpoints
     if shape.static_rank is not None:
         host, port = shape.endpoints[0]
         static = StaticJob(
             nnodes=shape.max_nodes, node_rank=shape.static_rank, master_addr=host, master_port=port
         )
+        store_endpoints = ((host, static.store_port),)
     rdzv = RendezvousSettings(
         min_nodes=shape.min_nodes,
         max_nodes=shape.max_nodes,
@@ -192,10 +194,11 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         heartbeat_interval_s=conf.heartbeat_interval_s,
         heartbeat_timeout_s=conf.heartbeat_timeout_s,
         max_restarts=_int(a["max_restarts"], "--max-restarts"),
+        static=static is not None,
     )
     store = StoreSettings(
         backend=shape.backend,
-        endpoints=shape.endpoints,
+        endpoints=store_endpoints,
         host_store=shape.host_store,
         connect_timeout_s=conf.connect_timeout_s,
         op_timeout_s=conf.read_timeout_s,

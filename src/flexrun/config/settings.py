@@ -55,6 +55,10 @@ class RendezvousSettings:
     """A node whose keep-alive is older than this is declared lost."""
     max_restarts: int = 3
     """Failures tolerated per job (membership changes do not count)."""
+    static: bool = False
+    """A fixed world (torchrun's static rendezvous, :class:`StaticJob`): a round holds
+    exactly ``max_nodes`` nodes ordered by node rank, and a lost node is a failure of the
+    job (exit 200, or a restart of the whole world once every node rank is back)."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
@@ -122,7 +126,15 @@ class StaticJob:
     master_addr: str
     """Where node rank 0 hosts the store (``--master-addr``)."""
     master_port: int
-    """Its port (``--master-port``, default 29500)."""
+    """Its port (``--master-port``, default 29500): the workers' store, which node rank 0's
+    agent hosts afresh for every round, as torchrun's agent does."""
+
+    @property
+    def store_port(self) -> int:
+        """Where node rank 0's agent hosts flexrun's own store (rendezvous records and
+        keep-alives): the port after the master's (the workers' store must be a new one
+        every round, so it cannot be this one)."""
+        return self.master_port + 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -130,8 +142,11 @@ class StaticJob:
                 f"--node-rank {self.node_rank}: must be 0..{self.nnodes - 1} for --nnodes "
                 f"{self.nnodes}"
             )
-        if not 0 < self.master_port < 65536:
-            raise ConfigError(f"--master-port {self.master_port}: out of range 1-65535")
+        if not 0 < self.master_port < 65535:
+            raise ConfigError(
+                f"--master-port {self.master_port}: out of range 1-65534 (a static job's "
+                "agents also use the next port)"
+            )
 
     @property
     def hosts_store(self) -> bool:

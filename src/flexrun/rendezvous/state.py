@@ -119,6 +119,7 @@ class NodeRecord:
     addr: str
     nproc: int
     pid: int = 0
+    rank: int = -1  # a static job's --node-rank (-1: an elastic job)
 
     def encode(self) -> bytes:
         return _dump(self)
@@ -131,8 +132,7 @@ class NodeRecord:
                 node_id=str(d["node_id"]),
                 addr=str(d["addr"]),
                 nproc=int(d["nproc"]),
-                pid=int(d.get("pid", 0)),
-            )
+                pid=int(d.get("pid", 0)), rank=int(d.get("rank", -1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt node record: {exc}") from exc
 

@@ -23,6 +23,7 @@ from flexrun.rendezvous.records import (
     write_slice,
 )
 from flexrun.rendezvous.state import (
+    PENDING,
     RUNNING,
     Member,
     Members,
@@ -31,6 +32,7 @@ from flexrun.rendezvous.state import (
     Slice,
     slices_of,
 )
+from flexrun.rendezvous.static import decide_static, static_members
 from flexrun.store.api import Entry
 
 if TYPE_CHECKING:
@@ -140,9 +142,12 @@ class Watcher:
             floor=h.floor,
             unconfirmed=frozenset(n for n, (_, renewed) in self.beats_seen.items() if not renewed),
         )
-        action = decide(view, h.settings)
+        action = (decide_static if h.settings.static else decide)(view, h.settings)
         if unreadable and cur is not None and cur.state == RUNNING:
             rec = next_round(None, alive, h.settings, "round_repaired", floor=h.floor)
+            if h.settings.static:
+                world = static_members(alive, h.settings.max_nodes)
+                rec = dataclasses.replace(rec, members=world or (), state=RUNNING if world else PENDING)
             action = Propose(rec, cur.number, joined=tuple(rec.member_ids))
         if asks:
             self.answer(asks, cur)
