@@ -72,10 +72,11 @@ def report_command(args: argparse.Namespace) -> int:
         ConfigError: a path is missing or holds no events, or the output is unwritable.
     """
     _need("matplotlib", "matplotlib")
-    from flexrun.observe.report import write_report
+    from flexrun.observe.report import build_report
 
-    page = write_report(args.run_dir, args.output)
-    print(f"wrote {page}")
+    page, analysis = build_report(args.run_dir, args.output)
+    n = analysis.skipped_events
+    print(f"wrote {page}" + (f" ({n} malformed event line(s) skipped)" if n else ""))
     return 0
 
 
