@@ -69,3 +69,23 @@ def test_read_events_skips_a_non_utf8_and_a_too_deep_line(tmp_path: Path) -> Non
         b'{"ts": 1.0, "event": "a"}\n' + HOSTILE[2] + HOSTILE[3] + b'{"ts": 2.0, "event": "b"}\n'
     )
     assert [e["event"] for e in read_events(tmp_path)] == ["a", "b"]
+
+
+@pytest.mark.timeout(10)
+def test_status_skips_a_node_record_that_does_not_decode_and_escapes_markup() -> None:
+    from rich.console import Console
+
+    from flexrun.observe.status import read_status, render_table
+    from flexrun.rendezvous.state import Keys, NodeRecord
+    from flexrun.testing import FakeClock, MemoryStore
+
+    store, keys = MemoryStore(), Keys("job")
+    store.put(keys.node("a"), NodeRecord("[/bold][red]x", "[link=evil]", 1, pid=1).encode())
+    store.put(keys.node("b"), b"\xff\x00 not a record")
+    store.put(keys.node("c"), b'{"node_id": "c", "addr": "h", "nproc": 1e400}')
+    st = read_status(store, "job", observe_s=0.0, clock=FakeClock())
+    assert st.skipped_records == 2 and [n.node_id for n in st.waiting] == ["[/bold][red]x"]
+    console = Console(record=True, width=200)
+    console.print(render_table(st))
+    text = console.export_text()
+    assert "[/bold][red]x" in text and "2 node record(s) did not decode" in text
