@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import struct
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -96,3 +98,20 @@ def hostile_bytes(data: st.DataObject, valid: bytes, how: tuple[str, ...] = HOW)
         return DEEP
     doc = mangled(data, json.loads(valid))
     return json.dumps(doc, allow_nan=True).encode()
+
+
+def four_opcode_payload(
+    marker: Path, module: str = "torch.distributed.checkpoint.filesystem"
+) -> bytes:
+    """Issue 18's payload: GLOBAL ``<module> os.mkdir``, BINUNICODE ``<marker>``, TUPLE1,
+    REDUCE (after the protocol-4 header that lets a global be a dotted name; then STOP).
+    Plain ``pickle.loads`` of it creates the directory ``marker``."""
+    path = str(marker).encode()
+    return (
+        b"\x80\x04c"
+        + module.encode()
+        + b"\nos.mkdir\nX"
+        + struct.pack("<I", len(path))
+        + path
+        + b"\x85R."
+    )
