@@ -22,7 +22,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-FEW = settings(FUZZ, max_examples=40)
+FEW = settings(FUZZ, max_examples=12)
 
 scalars = (
     st.none()
