@@ -40,21 +40,26 @@ def _is_finite(v: object) -> bool:
     )
 
 
+def _typed(d: dict[str, Any], ints: tuple[str, ...], floats: tuple[str, ...]) -> bool:
+    """Drop null counters (read as absent); False when one is of the wrong type."""
+    for k in (*ints, *floats):
+        if k in d and d[k] is None:
+            del d[k]
+    return all(_is_int(d[k]) for k in ints if k in d) and all(
+        _is_finite(d[k]) for k in floats if k in d
+    )
+
+
 def _clean_gpu(g: object) -> dict[str, Any] | None:
     if not isinstance(g, Mapping):
         return None
-    if any(g.get(k) is not None and not _is_int(g.get(k)) for k in _GPU_INTS):
-        return None
-    if any(g.get(k) is not None and not _is_finite(g.get(k)) for k in _GPU_FLOATS):
-        return None
-    return dict(g)
+    out = {str(k): v for k, v in g.items()}
+    return out if _typed(out, _GPU_INTS, _GPU_FLOATS) else None
 
 
 def _clean_resources(out: dict[str, Any]) -> bool:
     """Whether a ``resources`` sample is usable (its counters numbers, its GPUs objects)."""
-    if out.get("cpu_ratio") is not None and not _is_finite(out["cpu_ratio"]):
-        return False
-    if any(out.get(k) is not None and not _is_int(out[k]) for k in _RESOURCE_INTS):
+    if not _typed(out, _RESOURCE_INTS, ("cpu_ratio",)):
         return False
     gpus = out.get("gpus")
     if gpus is None:

@@ -56,6 +56,13 @@ def test_clean_event_drops_wrong_typed_fields_but_keeps_the_event() -> None:
     assert clean_event({"ts": True, "event": "x"}) is None
     assert clean_event({"ts": 1.0, "event": "x", "round": 1.5}) is None
     assert clean_event({"ts": -1.0, "event": "x"}) is None
+    # a resources sample with null counters: read as absent (the summary's defaults)
+    r = clean_event({"ts": 1.0, "event": "resources", "mem_used_bytes": None, "gpus": [{}]})
+    assert r is not None and "mem_used_bytes" not in r
+    from flexrun.observe.resources import summarize_resources
+
+    assert summarize_resources([r])[str(r.get("node", "?"))]["mem_max_bytes"] == 0
+    assert clean_event({"ts": 1.0, "event": "resources", "gpus": [{"index": "0"}]}) is None
 
 
 @pytest.mark.xfail(
