@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from fuzz_support import FUZZ
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from flexrun.cli import build_parser
@@ -64,7 +64,7 @@ HOSTILE = st.sampled_from(
         "1" * 400,
         "",
         " ",
-        "\x00",
+        "\x01",
         "afile",
         "/",
         "..",
@@ -85,7 +85,7 @@ HOSTILE = st.sampled_from(
         "etcd",
         "static",
     ]
-) | st.text(max_size=10)
+) | st.text(max_size=10).map(lambda t: t.replace("\x00", ""))  # argv cannot hold NUL
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @FUZZ
+@example(pairs=[("keep_alive_max_attempt", "1" * 400)], etcd=False, max_nodes=1)
+@example(pairs=[("keep_alive_max_attempt", "\u00b2")], etcd=False, max_nodes=1)
 @given(
     pairs=st.lists(st.tuples(st.sampled_from(RDZV_KEYS), HOSTILE), max_size=5),
     etcd=st.booleans(),
@@ -157,6 +159,9 @@ VALUE_FLAGS = [
 
 
 @FUZZ
+@example(flags=[("--nnodes", "1" * 400)], conf=[], standalone=False)  # overflowed a float
+@example(flags=[("--nproc-per-node", "\u00b2")], conf=[], standalone=False)  # isdigit, not int
+@example(flags=[("--run-dir", "1" * 400)], conf=[], standalone=False)  # ENAMETOOLONG
 @given(
     flags=st.lists(st.tuples(st.sampled_from(VALUE_FLAGS), HOSTILE), min_size=1, max_size=4),
     conf=st.lists(st.tuples(st.sampled_from(RDZV_KEYS), HOSTILE), max_size=2),

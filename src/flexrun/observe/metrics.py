@@ -385,7 +385,7 @@ class EventFollower:
         if end < 0:
             return 0
         self._offset += end + 1
-        for raw in data[: end + 1].splitlines():
+        for raw in data[:end].split(b"\n"):  # (not splitlines: a \r is inside a line)
             if not raw.strip():
                 continue
             try:
