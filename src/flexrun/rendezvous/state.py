@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -87,10 +88,21 @@ class Keys:
         return f"{self.data}{digest}/m/{index}"
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: int() of it would raise OverflowError
+        raise ValueError(f"number {text[:24]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a record holds")
+
+
 def _load(raw: bytes, what: str, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[str, Any]:
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        data = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # too deep: RecursionError
         raise RendezvousError(f"corrupt {what} record in the store: {exc}") from exc
     if not isinstance(data, dict) or data.get("v") not in versions:
         raise RendezvousError(
@@ -133,7 +145,7 @@ class NodeRecord:
                 nproc=int(d["nproc"]),
                 pid=int(d.get("pid", 0)),
             )
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt node record: {exc}") from exc
 
 
@@ -185,7 +197,7 @@ class Slice:
                 nodes=int(d.get("nodes", 0)),
                 world=int(d.get("world", 0)),
             )
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt slice record: {exc}") from exc
 
 
@@ -215,7 +227,7 @@ def decode_chunk(raw: bytes, digest: str, index: int) -> list[Member]:
         raise RendezvousError(f"member chunk {index} does not belong to list {digest}")
     try:
         return [Member(str(a), str(b), int(c)) for a, b, c in d["members"]]
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise RendezvousError(f"corrupt member chunk: {exc}") from exc
 
 
@@ -415,7 +427,7 @@ class RoundRecord:
                 seq=int(d.get("seq", 0)),
                 prev=str(d.get("prev", "")),
             )
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt round record: {exc}") from exc
 
 
@@ -435,7 +447,7 @@ class Claim:
         d = _load(raw, "watcher", (HEADER_VERSION,))
         try:
             return cls(node=str(d["node"]), term=int(d["term"]))
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt watcher record: {exc}") from exc
 
 
@@ -454,7 +466,7 @@ class MasterRecord:
         d = _load(raw, "master")
         try:
             return cls(addr=str(d["addr"]), port=int(d["port"]))
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt master record: {exc}") from exc
 
 

@@ -86,7 +86,7 @@ def storage_options_from_env(environ: Mapping[str, str] | None = None) -> dict[s
         return {}
     try:
         value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
+    except ValueError as exc:
         raise ConfigError(f"{STORAGE_OPTIONS_ENV} is not JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise ConfigError(
