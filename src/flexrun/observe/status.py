@@ -304,10 +304,11 @@ def store_settings_from_args(
     conf, secret, password = store_credentials(conf, process_environ())
     timeout = connect_timeout_s
     if "connect_timeout" in conf:
-        try:
-            timeout = float(conf.pop("connect_timeout"))
-        except ValueError as exc:
-            raise ConfigError("--rdzv-conf connect_timeout: expected seconds") from exc
+        from flexrun.config.parsing import parse_duration
+
+        timeout = parse_duration(
+            conf.pop("connect_timeout"), "--rdzv-conf connect_timeout=", positive=True
+        )
     return StoreSettings(
         backend=backend,
         endpoints=tuple(parse_endpoint(endpoint)),
