@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,10 +159,13 @@ def load_events(
     return out
 
 
-def _event_lines(f: Path) -> list[bytes]:
+def _event_lines(f: Path) -> Iterator[bytes]:
+    """The complete lines of ``f``, streamed (a torn last line: not yet written)."""
     try:
         with f.open("rb") as fh:
-            return [raw for raw in fh if raw.endswith(b"\n")]  # a torn last line: not yet
+            for raw in fh:
+                if raw.endswith(b"\n"):
+                    yield raw
     except OSError as exc:
         raise ConfigError(f"{f}: cannot read the event log ({exc.strerror})") from exc
 
