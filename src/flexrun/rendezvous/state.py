@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ from typing import Any, overload
 from flexrun.cause import FailureCause
 from flexrun.errors import RendezvousError
 from flexrun.store.api import Store
+from flexrun.store.jsonrec import loads_record
 
 SCHEMA_VERSION = 1  # node, master and the old self-contained round record
 HEADER_VERSION = 2  # round header, slices, member chunks, watcher claim
@@ -88,21 +88,10 @@ class Keys:
         return f"{self.data}{digest}/m/{index}"
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999: int() of it would raise OverflowError
-        raise ValueError(f"number {text[:24]} is out of range")
-    return value
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number a record holds")
-
-
 def _load(raw: bytes, what: str, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[str, Any]:
     try:
-        data = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # too deep: RecursionError
+        data = loads_record(raw)  # (no 1e999: int() of it raises OverflowError)
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
         raise RendezvousError(f"corrupt {what} record in the store: {exc}") from exc
     if not isinstance(data, dict) or data.get("v") not in versions:
         raise RendezvousError(
