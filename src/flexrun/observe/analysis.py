@@ -145,6 +145,8 @@ def load_events(
     bad = 0
     for f in find_event_files(paths):
         for raw in _event_lines(f):
+            if not raw.strip():
+                continue  # an empty line is no event, and no damage either
             e = _parse_line(raw)
             if e is None:
                 bad += 1
@@ -171,8 +173,6 @@ def _event_lines(f: Path) -> Iterator[bytes]:
 
 
 def _parse_line(raw: bytes) -> dict[str, Any] | None:
-    if not raw.strip():
-        return None
     try:
         return clean_event(json.loads(raw.decode("utf-8")))
     except (UnicodeDecodeError, ValueError, RecursionError):
