@@ -29,6 +29,11 @@ _STD = {
 }
 
 
+MAX_NODES = 1_000_000
+"""The largest ``--nnodes`` MAX (beyond it the keep-alive arithmetic overflows)."""
+MAX_NPROC = 1_000_000
+
+
 def parse_nnodes(text: str) -> tuple[int, int]:
     """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4). Raises ConfigError on anything else."""
     m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
@@ -40,6 +45,8 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     hi = int(m.group(2)) if m.group(2) is not None else lo
     if lo < 1:
         raise ConfigError(f"--nnodes {text!r}: MIN must be at least 1")
+    if hi > MAX_NODES:
+        raise ConfigError(f"--nnodes {str(text)[:40]!r}: at most {MAX_NODES} nodes")
     if lo > hi:
         raise ConfigError(
             f"--nnodes {text!r}: MIN ({lo}) is greater than MAX ({hi}); write MIN:MAX, e.g. {hi}:{lo}"
@@ -65,9 +72,11 @@ def parse_nproc(text: str, *, cuda_count: int | None = None, cpu_count: int | No
         if count < 1:
             raise ConfigError("--nproc-per-node xpu: no XPU device is visible on this node")
         return count
-    if not value.isdigit() or int(value) < 1:
+    # (ASCII digits only: str.isdigit() is true for "²", which int() refuses)
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_NPROC:
         raise ConfigError(
-            f"--nproc-per-node {text!r}: expected a positive integer, auto, cpu, gpu or xpu"
+            f"--nproc-per-node {str(text)[:40]!r}: expected an integer 1-{MAX_NPROC}, auto, "
+            "cpu, gpu or xpu"
         )
     return int(value)
 

@@ -132,9 +132,10 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) 
     hb_timeout = _dur(conf, "heartbeat_timeout", positive=True)
     if "keep_alive_max_attempt" in conf:
         raw = conf["keep_alive_max_attempt"].strip()
-        if not raw.isdigit() or int(raw) < 1:
+        # (ASCII digits only: str.isdigit() is true for "²", which int() refuses)
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1_000_000:
             raise ConfigError(
-                f"--rdzv-conf keep_alive_max_attempt={raw!r}: expected a positive integer"
+                f"--rdzv-conf keep_alive_max_attempt={raw[:40]!r}: expected an integer 1-1000000"
             )
         if hb_timeout is None:
             hb_timeout = hb_interval * max(int(raw), 1.5)

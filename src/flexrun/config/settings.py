@@ -352,12 +352,16 @@ def check_dir_arg(path: Path, flag: str) -> Path:
     Raises:
         ConfigError: ``path`` or one of its parents exists and is not a directory.
     """
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "names a file" if p == path else f"is below {p}, a file"
-                raise ConfigError(f"{flag} {path}: {what}; give a directory")
-            break
+    try:
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    what = "names a file" if p == path else f"is below {p}, a file"
+                    raise ConfigError(f"{flag} {path}: {what}; give a directory")
+                break
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte (the Python API)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{flag} {str(path)[:200]!r}: not a usable path ({why})") from exc
     return path
 
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flexrun.errors import ConfigError
-from flexrun.events import EVENTS_FILE, read_events
+from flexrun.events import EVENTS_FILE
+from flexrun.observe.eventcheck import clean_event
 from flexrun.observe.metrics import failure_cause, restart_cause
 
 _RUNNING_ROUND_TRIGGERS = frozenset({"failure", "preempted", "hang_detected"})
@@ -77,6 +78,8 @@ class RunAnalysis:
     """node -> its ``job_finished`` fields (exit code, its own ETTR)."""
     checkpoints: list[dict[str, Any]]
     resources: dict[str, dict[str, Any]]
+    skipped_events: int = 0
+    """Records that were not usable events (malformed fields), left out of the analysis."""
     productive_basis: str = "train_metrics"
     """What productive time was measured from: ``train_metrics`` (steps reported by rank
     0) or ``worker_uptime`` (rounds up, when the script reports no steps)."""
@@ -128,20 +131,52 @@ def find_event_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return list(unique.values())
 
 
-def load_events(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """Every event of every log under ``paths``, merged by timestamp, exact duplicates once."""
+def load_events(
+    paths: Sequence[str | os.PathLike[str]], *, skipped: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """Every event of every log under ``paths``, merged by timestamp, exact duplicates once.
+
+    Lines that are not usable events (not JSON, not UTF-8, a ``ts`` that is not a number,
+    a ``round`` that is not an integer: :func:`~flexrun.observe.eventcheck.clean_event`)
+    are skipped; their number is appended to ``skipped`` when given.
+    """
     seen: set[str] = set()
     out: list[dict[str, Any]] = []
+    bad = 0
     for f in find_event_files(paths):
-        for e in read_events(f):
-            if not isinstance(e, dict) or "ts" not in e or "event" not in e:
+        for raw in _event_lines(f):
+            if not raw.strip():
+                continue  # an empty line is no event, and no damage either
+            e = _parse_line(raw)
+            if e is None:
+                bad += 1
                 continue
             key = json.dumps(e, sort_keys=True, default=str)
             if key not in seen:
                 seen.add(key)
                 out.append(e)
-    out.sort(key=lambda e: float(e["ts"]))
+    out.sort(key=lambda e: e["ts"])
+    if skipped is not None:
+        skipped.append(bad)
     return out
+
+
+def _event_lines(f: Path) -> Iterator[bytes]:
+    """The complete lines of ``f``, streamed (a torn last line: not yet written)."""
+    try:
+        with f.open("rb") as fh:
+            for raw in fh:
+                if raw.endswith(b"\n"):
+                    yield raw
+    except OSError as exc:
+        raise ConfigError(f"{f}: cannot read the event log ({exc.strerror})") from exc
+
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    try:
+        return clean_event(json.loads(raw.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
 
 
 # -- analysis -----------------------------------------------------------------------------
@@ -175,7 +210,11 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
         raise ConfigError("the event log is empty: nothing to report")
     from flexrun.observe.resources import summarize_resources
 
-    events = sorted(events, key=lambda e: float(e["ts"]))
+    usable = [c for c in (clean_event(e) for e in events) if c is not None]
+    skipped = len(events) - len(usable)
+    if not usable:
+        raise ConfigError(f"the event log has no usable event ({skipped} malformed)")
+    events = sorted(usable, key=lambda e: e["ts"])
     start_ts = float(events[0]["ts"])
     finishes = [e for e in events if e["event"] == "job_finished"]
     end_ts = float(finishes[-1]["ts"]) if finishes else float(events[-1]["ts"])
@@ -292,6 +331,7 @@ def analyze(events: Sequence[Mapping[str, Any]]) -> RunAnalysis:
         node_finish={str(e.get("node")): dict(e) for e in finishes},
         checkpoints=checkpoints,
         resources=summarize_resources(events),
+        skipped_events=skipped,
     )
 
 

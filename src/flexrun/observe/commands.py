@@ -33,20 +33,23 @@ def status_command(args: argparse.Namespace) -> int:
         ConfigError: bad options, or no job with this id in the store (exit 2).
         StoreUnavailable: the store does not answer (exit 2).
     """
+    from flexrun.config.parsing import parse_duration
     from flexrun.observe import status as st
 
+    observe = parse_duration(args.observe, "--observe")
+    watch = parse_duration(args.watch, "--watch")
     settings = st.store_settings_from_args(
         args.rdzv_backend,
         args.rdzv_endpoint or "",
         args.rdzv_conf or "",
-        connect_timeout_s=args.connect_timeout,
+        connect_timeout_s=parse_duration(args.connect_timeout, "--connect-timeout", positive=True),
     )
     if not args.rdzv_id:
         raise ConfigError("--rdzv-id is required: the job id the agents were started with")
     store = st.open_status_store(settings)
     try:
         while True:
-            job = st.read_status(store, args.rdzv_id, observe_s=args.observe)
+            job = st.read_status(store, args.rdzv_id, observe_s=observe)
             if args.json:
                 print(st.status_json(job), flush=True)
             else:
@@ -54,11 +57,11 @@ def status_command(args: argparse.Namespace) -> int:
                 from rich.console import Console
 
                 Console().print(st.render_table(job))
-            if not args.watch:
+            if not watch:
                 return 0
             import time
 
-            time.sleep(max(args.watch - args.observe, 0.0))
+            time.sleep(max(watch - observe, 0.0))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -72,10 +75,11 @@ def report_command(args: argparse.Namespace) -> int:
         ConfigError: a path is missing or holds no events, or the output is unwritable.
     """
     _need("matplotlib", "matplotlib")
-    from flexrun.observe.report import write_report
+    from flexrun.observe.report import build_report
 
-    page = write_report(args.run_dir, args.output)
-    print(f"wrote {page}")
+    page, analysis = build_report(args.run_dir, args.output)
+    n = analysis.skipped_events
+    print(f"wrote {page}" + (f" ({n} malformed event line(s) skipped)" if n else ""))
     return 0
 
 

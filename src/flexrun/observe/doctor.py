@@ -279,8 +279,16 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     if not args.rdzv_id:
         raise ConfigError("--rdzv-id is required: the job id (the check uses its store)")
-    if args.threshold <= 1:
-        raise ConfigError("--threshold must be above 1")
+    from flexrun.config.parsing import parse_duration
+
+    if not 1 < args.threshold < float("inf"):  # (NaN too)
+        raise ConfigError("--threshold must be a finite number above 1")
+    args.join_timeout = parse_duration(args.join_timeout, "--join-timeout", positive=True)
+    args.inject_delay = parse_duration(args.inject_delay, "--inject-delay")
+    if not 0 < args.size_mb <= 1 << 20:
+        raise ConfigError(f"--size-mb {args.size_mb}: must be above 0 and at most 1048576")
+    if not 1 <= args.matmul_size <= 1 << 16 or not 1 <= args.iters <= 10_000:
+        raise ConfigError("--matmul-size must be 1-65536 and --iters 1-10000")
     _, nnodes = parse_nnodes(args.nnodes)
     settings = store_settings_from_args(
         args.rdzv_backend, args.rdzv_endpoint or "", args.rdzv_conf or ""

@@ -32,6 +32,7 @@ from prometheus_client.exposition import start_http_server
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError
 from flexrun.events import EVENTS_FILE
+from flexrun.observe.eventcheck import clean_event
 
 log = logging.getLogger("flexrun.observe")
 
@@ -347,6 +348,9 @@ class EventFollower:
     Starts at the beginning of the file (so a metrics endpoint started late still counts
     the run so far), tolerates the file appearing later and partial last lines (read again
     once complete). ``poll()`` reads what is new; ``start()`` polls in a daemon thread.
+    A line that is not a usable event (not JSON or UTF-8, nested beyond the parser, a ``ts``
+    or ``round`` of the wrong type: :func:`~flexrun.observe.eventcheck.clean_event`) is
+    skipped and counted in :attr:`skipped`, never an exception that would stall the tail.
     """
 
     def __init__(
@@ -361,6 +365,8 @@ class EventFollower:
         self.sink = sink
         self.interval_s = interval_s
         self._offset = 0
+        self.skipped = 0
+        """Lines read that were not usable events."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -378,15 +384,19 @@ class EventFollower:
         end = data.rfind(b"\n")
         if end < 0:
             return 0
-        for raw in data[: end + 1].splitlines():
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                self.sink(rec)
-                n += 1
         self._offset += end + 1
+        for raw in data[:end].split(b"\n"):  # (not splitlines: a \r is inside a line)
+            if not raw.strip():
+                continue
+            try:
+                rec = clean_event(json.loads(raw))
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                rec = None
+            if rec is None:
+                self.skipped += 1
+                continue
+            self.sink(rec)
+            n += 1
         return n
 
     def start(self) -> None:

@@ -273,6 +273,12 @@ def render_html(a: RunAnalysis, figures: Mapping[str, bytes]) -> str:
         for cap, png in figures.items()
     )
     title = f"flexrun report: {', '.join(a.run_ids)}"
+    skipped = (
+        f"<p><b>{a.skipped_events} malformed event line(s) skipped</b> (not JSON, not "
+        "UTF-8, or a timestamp, event name or round of the wrong type).</p>"
+        if a.skipped_events
+        else ""
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -282,7 +288,7 @@ th,td{{border:1px solid #ccc;padding:.3em .6em;text-align:left;font-size:.9em}}
 th{{background:#f3f3f3}} img{{max-width:100%}} figcaption{{color:#666;font-size:.85em}}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
-{summary}
+{skipped}{summary}
 {figs}
 <h2>Incidents</h2>
 {incidents}
@@ -306,6 +312,18 @@ def write_report(
 ) -> Path:
     """Merge the logs under ``paths`` and write ``report.html`` and the PNGs; return the page.
 
+    Raises:
+        ConfigError: as :func:`build_report`.
+    """
+    return build_report(paths, out_dir)[0]
+
+
+def build_report(
+    paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str] | None = None
+) -> tuple[Path, RunAnalysis]:
+    """:func:`write_report`, also returning the analysis (its ``skipped_events`` counts the
+    malformed event lines left out).
+
     ``out_dir`` defaults to the first path (its directory when it is a file).
 
     Raises:
@@ -313,7 +331,17 @@ def write_report(
     """
     if not paths:
         raise ConfigError("flexrun report: give at least one run directory")
-    analysis = analyze(load_events(paths))
+    skipped: list[int] = []
+    events = load_events(paths, skipped=skipped)
+    bad: int = skipped[0] if skipped else 0
+    if not events and bad:
+        where = ", ".join(str(p) for p in paths)
+        raise ConfigError(
+            f"{where}: no usable event, {bad} malformed line(s) "
+            "(not an event log, or a damaged one: binary, not UTF-8 or not JSON events)"
+        )
+    analysis = analyze(events)
+    analysis.skipped_events += bad
     first = Path(paths[0])
     out = Path(out_dir) if out_dir is not None else (first if first.is_dir() else first.parent)
     figures = {
@@ -330,4 +358,4 @@ def write_report(
         page.write_text(render_html(analysis, figures), encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{out}: cannot write the report ({exc.strerror})") from exc
-    return page
+    return page, analysis

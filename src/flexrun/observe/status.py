@@ -59,6 +59,9 @@ class JobStatus:
     waiting: tuple[NodeStatus, ...] = ()
     root_cause: dict[str, Any] = field(default_factory=dict)
     observed_s: float = 0.0
+    skipped_records: int = 0
+    """Node records in the job's keys that did not decode (damaged, or not flexrun's),
+    left out of the table."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -123,8 +126,13 @@ def read_status(
         else None
     )  # (the member list is read from its chunks: status is the one reader that needs it)
     records: dict[str, NodeRecord] = {}
+    skipped = 0
     for entry in node_entries.values():
-        rec = NodeRecord.decode(entry.value)
+        try:
+            rec = NodeRecord.decode(entry.value)
+        except RendezvousError:
+            skipped += 1  # one bad record must not hide the job's state
+            continue
         records[rec.node_id] = rec
 
     def node_status(node_id: str, addr: str, nproc: int, **kw: Any) -> NodeStatus:
@@ -185,6 +193,7 @@ def read_status(
         waiting=tuple(waiting),
         root_cause=rnd.root_cause.to_dict() if rnd is not None and rnd.root_cause else {},
         observed_s=round(observed, 3),
+        skipped_records=skipped,
     )
 
 
@@ -208,6 +217,7 @@ def _age(n: NodeStatus) -> str:
 def render_table(status: JobStatus) -> Any:
     """A rich renderable: a header line and one table of members and waiting nodes."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -229,8 +239,8 @@ def render_table(status: JobStatus) -> Any:
         ranks = f"{n.ranks[0]}-{n.ranks[1]}" if n.ranks else "-"
         role = "member" if n.registered else "[red]member (gone)[/red]"
         table.add_row(
-            n.node_id,
-            n.addr,
+            escape(n.node_id),
+            escape(n.addr),
             role,
             str(n.group_rank),
             ranks,
@@ -240,8 +250,8 @@ def render_table(status: JobStatus) -> Any:
         )
     for n in status.waiting:
         table.add_row(
-            n.node_id,
-            n.addr,
+            escape(n.node_id),
+            escape(n.addr),
             "[yellow]waiting[/yellow]",
             "-",
             "-",
@@ -250,6 +260,10 @@ def render_table(status: JobStatus) -> Any:
             _age(n),
         )
     parts: list[Any] = [head, table]
+    if status.skipped_records:
+        parts.append(
+            Text(f"{status.skipped_records} node record(s) did not decode", style="yellow")
+        )
     if status.root_cause:
         rc = status.root_cause
         parts.append(
@@ -290,10 +304,11 @@ def store_settings_from_args(
     conf, secret, password = store_credentials(conf, process_environ())
     timeout = connect_timeout_s
     if "connect_timeout" in conf:
-        try:
-            timeout = float(conf.pop("connect_timeout"))
-        except ValueError as exc:
-            raise ConfigError("--rdzv-conf connect_timeout: expected seconds") from exc
+        from flexrun.config.parsing import parse_duration
+
+        timeout = parse_duration(
+            conf.pop("connect_timeout"), "--rdzv-conf connect_timeout=", positive=True
+        )
     return StoreSettings(
         backend=backend,
         endpoints=tuple(parse_endpoint(endpoint)),

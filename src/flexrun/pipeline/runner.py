@@ -72,8 +72,10 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.max_parallel < 0:
             raise ConfigError(f"--max-parallel must be >= 0 (got {self.max_parallel})")
-        if self.stop_grace_s < 0:
-            raise ConfigError(f"--stop-grace must be >= 0 (got {self.stop_grace_s})")
+        if not 0 <= self.stop_grace_s < float("inf"):  # (NaN too)
+            raise ConfigError(
+                f"--stop-grace must be a finite number >= 0 (got {self.stop_grace_s})"
+            )
 
 
 def stage_argv(

@@ -38,6 +38,7 @@ from typing import Any, overload
 from flexrun.cause import FailureCause
 from flexrun.errors import RendezvousError
 from flexrun.store.api import Store
+from flexrun.store.jsonrec import loads_record
 
 SCHEMA_VERSION = 1  # node, master and the old self-contained round record
 HEADER_VERSION = 2  # round header, slices, member chunks, watcher claim
@@ -89,8 +90,8 @@ class Keys:
 
 def _load(raw: bytes, what: str, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[str, Any]:
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = loads_record(raw)  # (no 1e999: int() of it raises OverflowError)
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
         raise RendezvousError(f"corrupt {what} record in the store: {exc}") from exc
     if not isinstance(data, dict) or data.get("v") not in versions:
         raise RendezvousError(

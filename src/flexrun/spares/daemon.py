@@ -119,8 +119,8 @@ class SparesDaemon:
             raise ConfigError(f"--count {count}: must be 1-{MAX_TAKE}")
         if not 0 <= agents <= MAX_TAKE:
             raise ConfigError(f"--agents {agents}: must be 0-{MAX_TAKE}")
-        if not refill_delay_s >= 0:  # (NaN too)
-            raise ConfigError(f"--refill-delay {refill_delay_s:g}: must be 0 or more")
+        if not 0 <= refill_delay_s < float("inf"):  # (NaN too)
+            raise ConfigError(f"--refill-delay {refill_delay_s:g}: must be a finite 0 or more")
         self.root = root
         self.count = count
         self.targets = {"worker": count, "agent": agents}

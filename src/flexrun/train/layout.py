@@ -133,7 +133,14 @@ class Manifest:
             )
         except CheckpointError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            OverflowError,
+            RecursionError,
+        ) as exc:  # (UnicodeDecodeError is a ValueError)
             raise CheckpointError(f"manifest is malformed: {exc}") from exc
 
 
@@ -178,7 +185,7 @@ def parse_fence(raw: bytes, where: str) -> FenceRecord:
         generation = int(d["generation"] if "generation" in d else d["round"])
         run = d.get("run")
         return FenceRecord(generation=generation, run=None if run is None else str(run))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise CheckpointError(f"fence record in {where} is malformed: {exc}") from exc
 
 
