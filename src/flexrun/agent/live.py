@@ -41,6 +41,7 @@ from flexrun.proc import (
     spawn_worker,
     start_tees,
 )
+from flexrun.proc.drain import tty_streams
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
@@ -64,6 +65,35 @@ class LiveWorker:
     """Part of this node's published member list."""
     finished: bool = False
     tees: list[Tee] = field(default_factory=list)
+
+
+def _cold(
+    command: list[str],
+    env: dict[str, str],
+    wdir: Path,
+    slot: int,
+    wid: str,
+    console: frozenset[str],
+) -> Worker:
+    """A fresh worker for ``slot``, its output drained by the agent (a terminal stays one)."""
+    return spawn_worker(
+        command,
+        env,
+        wdir,
+        rank=slot,
+        local_rank=slot,
+        console=console,
+        tty=tty_streams(console),
+        prefix=f"[{wid}]:",
+    )
+
+
+def _tees(w: Worker, wid: str, console: frozenset[str], done: threading.Event) -> list[Tee]:
+    """Console copies of a warm spare's log files (it writes them itself); none for a
+    worker whose output the agent drains."""
+    if w.output is not None:
+        return []
+    return start_tees(w.log_dir, f"[{wid}]:", console, done, w.log_offsets)
 
 
 class LiveRunner:
@@ -200,7 +230,7 @@ class LiveRunner:
         wdir = self._log_root / wid
         spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
         if spare is None:
-            w = spawn_worker(self._command, env, wdir, rank=slot, local_rank=slot)
+            w = _cold(self._command, env, wdir, slot, wid, self.config.console_streams)
             included = include_now
         else:
             c = self.config
@@ -217,9 +247,7 @@ class LiveRunner:
             included = include_now or not joining
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
         lw = LiveWorker(wid, w, hb, included=included)
-        lw.tees = start_tees(
-            w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done, w.log_offsets
-        )
+        lw.tees = _tees(w, wid, self.config.console_streams, self._tee_done)
         self.slots[slot] = lw
         self.events.emit(
             "worker_started",

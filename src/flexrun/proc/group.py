@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flexrun.cause import FailureCause
 from flexrun.proc.diagnose import cause_of
+from flexrun.proc.drain import tty_streams
 from flexrun.proc.logs import Tee, log_tail, start_tees
 from flexrun.proc.spawn import Worker, WorkerResult, kill_session, spawn_worker
 
@@ -35,7 +36,9 @@ def read_cause(w: Worker, result: WorkerResult) -> FailureCause:
         error_text: str | None = w.error_file.read_text(errors="replace")
     except OSError:
         error_text = None
-    tail = log_tail(w.log_dir / "stderr.log", since=w.log_offsets.get("stderr", 0))
+    tail = w.stderr_tail()
+    if tail is None:
+        tail = log_tail(w.log_dir / "stderr.log", since=w.log_offsets.get("stderr", 0))
     return cause_of(
         result, error_file=error_text, stderr_tail=tail, note=w.note, log_dir=str(w.log_dir)
     )
@@ -97,9 +100,12 @@ class WorkerGroup:
         *,
         console_streams: frozenset[str] = frozenset({"stdout", "stderr"}),
         warm: WarmSource | None = None,
+        tty: frozenset[str] | None = None,
     ) -> WorkerGroup:
         """Start one process per environment in ``envs`` (local rank = index), logging to
-        ``log_dir/rank_<RANK>/``.
+        ``log_dir/rank_<RANK>/``; the streams in ``tty`` (default: those of
+        ``console_streams`` where the agent's own stream is a terminal) get a
+        pseudo-terminal whose bytes reach the console unmodified and at once.
 
         Raises:
             OSError: a process or its log files could not be created (those already
@@ -108,17 +114,30 @@ class WorkerGroup:
         workers: list[Worker] = []
         tees: list[Tee] = []
         done = threading.Event()
+        if tty is None:
+            tty = tty_streams(console_streams)
         try:
             for local_rank, env in enumerate(envs):
                 rank = int(env["RANK"])
                 wdir = log_dir / f"rank_{rank}"
                 w = warm(env, wdir, rank, local_rank) if warm is not None else None
                 if w is None:
-                    w = spawn_worker(command, env, wdir, rank=rank, local_rank=local_rank)
+                    w = spawn_worker(
+                        command,
+                        env,
+                        wdir,
+                        rank=rank,
+                        local_rank=local_rank,
+                        console=console_streams,
+                        tty=tty,
+                    )
                 workers.append(w)
-                tees.extend(
-                    start_tees(w.log_dir, f"[rank{rank}]:", console_streams, done, w.log_offsets)
-                )
+                if w.output is None:  # (a warm spare writes its log files itself)
+                    tees.extend(
+                        start_tees(
+                            w.log_dir, f"[rank{rank}]:", console_streams, done, w.log_offsets
+                        )
+                    )
         except OSError:
             cls(workers, tees, done).stop(grace_s=0)
             raise
