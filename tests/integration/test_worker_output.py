@@ -97,14 +97,21 @@ def _bar(out: bytes) -> bytes:
 
 
 @pytest.mark.timeout(300)
-def test_a_progress_bar_on_a_terminal_updates_in_place_as_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["restart", "live"])
+def test_a_progress_bar_on_a_terminal_updates_in_place_as_under_torchrun(
+    tmp_path: Path, mode: str
+) -> None:
+    # (Live mode's worker is a warm spare: it opens the agent's pseudo-terminal by path.)
     pytest.importorskip("tqdm")
     script = tmp_path / "bar.py"
     script.write_text(textwrap.dedent(BAR_SCRIPT))
     outs = {}
     for name, argv in {
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-        "flexrun": [sys.executable, "-m", "flexrun", "run", "--run-dir", str(tmp_path / "run")],
+        "flexrun": [
+            *(sys.executable, "-m", "flexrun", "run", "--mode", mode),
+            *("--run-dir", str(tmp_path / "run")),
+        ],
     }.items():
         go = tmp_path / f"go-{name}"
         cmd = [*argv, "--standalone", "--nproc-per-node", "1", str(script)]
@@ -118,8 +125,8 @@ def test_a_progress_bar_on_a_terminal_updates_in_place_as_under_torchrun(tmp_pat
         assert b"\n" not in bar and bar.count(b"\r") >= 6, (name, bar)
     assert _bar(outs["flexrun"]) == _bar(outs["torchrun"])
     # The per-rank log still has everything the worker wrote.
-    logs = list((tmp_path / "run").rglob("rank_0/stderr.log"))
-    assert len(logs) == 1 and b"5/5" in logs[0].read_bytes()
+    logs = [p for p in (tmp_path / "run").rglob("stderr.log") if "spares" not in p.parts]
+    assert len(logs) == 1 and _bar(logs[0].read_bytes()) == _bar(outs["torchrun"])
 
 
 # -- a full log disk ------------------------------------------------------------------------
@@ -169,16 +176,19 @@ def full_tmpfs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["restart", "live"])
 def test_workers_print_through_a_full_log_disk_and_logging_resumes(
-    tmp_path: Path, full_tmpfs: tuple[Path, Path]
+    tmp_path: Path, full_tmpfs: tuple[Path, Path], mode: str
 ) -> None:
+    # (Live mode's first workers are warm spares: their output goes the same way.)
     mnt, filler = full_tmpfs
     script = tmp_path / "steps.py"
     script.write_text(textwrap.dedent(STEP_SCRIPT))
     go = tmp_path / "go"
     cmd = [
         sys.executable, "-m", "flexrun", "run", "--standalone", "--nproc-per-node", "2",
-        "--run-dir", str(tmp_path / "run"), "--log-dir", str(mnt / "logs"), str(script),
+        "--run-dir", str(tmp_path / "run"), "--log-dir", str(mnt / "logs"), "--mode", mode,
+        str(script),
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(tmp_path, go), cwd=tmp_path
@@ -209,9 +219,8 @@ def test_workers_print_through_a_full_log_disk_and_logging_resumes(
         assert f"err 39 of rank {rank}" in err
     assert err.count("cannot write worker logs") == 1, err
     assert "worker logs are written again" in err
-    logs = {p.parent.name: p.read_text() for p in mnt.rglob("stdout.log")}
-    assert set(logs) == {"rank_0", "rank_1"}
+    logs = [p.read_text() for p in mnt.rglob("stdout.log") if "spares" not in p.parts]
     for rank in (0, 1):
-        text = logs[f"rank_{rank}"]
+        (text,) = [t for t in logs if f"of rank {rank}" in t]
         assert "step 39 of rank" in text  # logging resumed ...
         assert not re.search(r"^step 5 of rank", text, re.M)  # ... what the full disk lost

@@ -88,6 +88,24 @@ def _cold(
     )
 
 
+def _warm(
+    spare: Worker, c: RunConfig, env: dict[str, str], wdir: Path, slot: int, wid: str
+) -> Worker:
+    """Warm ``spare`` assigned to ``slot``; its output drained as a fresh worker's."""
+    return assign(
+        spare,
+        env=env,
+        entry=c.entrypoint,
+        args=c.args,
+        module=c.module,
+        rank=slot,
+        local_rank=slot,
+        log_dir=wdir,
+        console=c.console_streams,
+        prefix=f"[{wid}]:",
+    )
+
+
 def _tees(w: Worker, wid: str, console: frozenset[str], done: threading.Event) -> list[Tee]:
     """Console copies of a warm spare's log files (it writes them itself); none for a
     worker whose output the agent drains."""
@@ -233,17 +251,7 @@ class LiveRunner:
             w = _cold(self._command, env, wdir, slot, wid, self.config.console_streams)
             included = include_now
         else:
-            c = self.config
-            w = assign(
-                spare,
-                env=env,
-                entry=c.entrypoint,
-                args=c.args,
-                module=c.module,
-                rank=slot,
-                local_rank=slot,
-                log_dir=wdir,
-            )
+            w = _warm(spare, self.config, env, wdir, slot, wid)
             included = include_now or not joining
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
         lw = LiveWorker(wid, w, hb, included=included)

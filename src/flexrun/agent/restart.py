@@ -157,6 +157,7 @@ class RestartRunner:
             rank=rank,
             local_rank=local_rank,
             log_dir=wdir,
+            console=c.console_streams,
         )
 
     # -- monitoring --------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import errno
 import fcntl
 import os
 import selectors
+import shutil
+import tempfile
 import termios
 import threading
 from collections.abc import Callable
@@ -133,9 +135,20 @@ class StreamCopy:
 class Drain(threading.Thread):
     """Copies a worker's output descriptors (the read ends) until each reaches its end."""
 
-    def __init__(self, name: str, streams: dict[int, StreamCopy]) -> None:
+    def __init__(
+        self,
+        name: str,
+        streams: dict[int, StreamCopy],
+        *,
+        held: list[int] | None = None,
+        private: Path | None = None,
+    ) -> None:
         super().__init__(name=f"flexrun-drain-{name}", daemon=True)
         self.streams = streams
+        self._held = list(held or [])
+        """Write ends the agent keeps open for a process that opens its output by path
+        (a warm spare): without them, the reader would see an end before it opened."""
+        self._private = private
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
@@ -179,11 +192,24 @@ class Drain(threading.Thread):
 
     def wait_eof(self, timeout_s: float) -> bool:
         """Wait until every stream ended (the worker, and anything that inherited its
-        output, exited) or ``timeout_s`` passed; True when all ended."""
+        output, exited) or ``timeout_s`` passed; True when all ended. Call it once the
+        worker has exited: the agent's own write ends are closed first."""
+        self.release()
         return self._eof.wait(timeout_s)
+
+    def release(self) -> None:
+        """Close the write ends the agent held for a worker that opened its output by path
+        (its own copies keep the streams open while it runs)."""
+        held, self._held = self._held, []
+        for fd in held:
+            os.close(fd)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Drain what is left (up to ``timeout_s``), then stop and close the descriptors."""
+        self.release()
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
         if self.is_alive() and not self.wait_eof(timeout_s):
             self._closing = True
             os.write(self._wake_w, b"x")
@@ -255,3 +281,50 @@ def output_pipes(
             os.close(fd)
         raise
     return ends, Drain(wdir.name, streams)
+
+
+def output_paths(
+    wdir: Path, *, prefix: str, console: frozenset[str], tty: frozenset[str]
+) -> tuple[dict[str, str], Drain]:
+    """The same plumbing as :func:`output_pipes` for a process that is already running
+    and opens its output by path (a warm spare taking an assignment): the paths to open
+    for writing (a pseudo-terminal's device, or a FIFO in a private directory), and the
+    :class:`Drain` (started) reading them. The agent holds a write end of each until
+    :meth:`Drain.release` (call it once the worker exited).
+
+    Raises:
+        OSError: no terminal, directory or FIFO could be made.
+    """
+    private = Path(tempfile.mkdtemp(prefix="flexrun-out-"))
+    paths: dict[str, str] = {}
+    streams: dict[int, StreamCopy] = {}
+    held: list[int] = []
+    try:
+        for name, fd in _CONSOLE_FDS.items():
+            raw = name in tty and name in console
+            if raw:
+                read, write = open_pty(fd)
+                paths[name] = os.ttyname(write)
+            else:
+                fifo = private / name
+                os.mkfifo(fifo, 0o600)
+                read = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                write = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)
+                os.set_blocking(read, True)
+                paths[name] = str(fifo)
+            held.append(write)
+            streams[read] = StreamCopy(
+                name,
+                wdir / f"{name}.log",
+                fd if name in console else None,
+                None if raw else prefix.encode(),
+                keep_tail=name == "stderr",
+            )
+    except OSError:
+        for x in (*held, *streams):
+            os.close(x)
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    drain = Drain(wdir.name, streams, held=held, private=private)
+    drain.start()
+    return paths, drain
