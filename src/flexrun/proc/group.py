@@ -37,7 +37,7 @@ def read_cause(w: Worker, result: WorkerResult) -> FailureCause:
     except OSError:
         error_text = None
     tail = w.stderr_tail()
-    if tail is None:
+    if not tail:  # (not drained, or nothing came through the drain: the file says more)
         tail = log_tail(w.log_dir / "stderr.log", since=w.log_offsets.get("stderr", 0))
     return cause_of(
         result, error_file=error_text, stderr_tail=tail, note=w.note, log_dir=str(w.log_dir)
