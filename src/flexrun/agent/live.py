@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.console import console_plan
 from flexrun.agent.live_epochs import EpochPublisher
 from flexrun.agent.policy import LiveFailed, LiveFinished
 from flexrun.agent.runner import RoundStart
@@ -41,7 +42,6 @@ from flexrun.proc import (
     spawn_worker,
     start_tees,
 )
-from flexrun.proc.drain import tty_streams
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
@@ -67,14 +67,7 @@ class LiveWorker:
     tees: list[Tee] = field(default_factory=list)
 
 
-def _cold(
-    command: list[str],
-    env: dict[str, str],
-    wdir: Path,
-    slot: int,
-    wid: str,
-    console: frozenset[str],
-) -> Worker:
+def _cold(command: list[str], env: dict[str, str], wdir: Path, slot: int, c: RunConfig) -> Worker:
     """A fresh worker for ``slot``, its output drained by the agent (a terminal stays one)."""
     return spawn_worker(
         command,
@@ -82,9 +75,8 @@ def _cold(
         wdir,
         rank=slot,
         local_rank=slot,
-        console=console,
-        tty=tty_streams(console),
-        prefix=f"[{wid}]:",
+        stdin=None,  # (inherited, as torchrun's)
+        console=console_plan(c, slot, slot),
     )
 
 
@@ -101,8 +93,7 @@ def _warm(
         rank=slot,
         local_rank=slot,
         log_dir=wdir,
-        console=c.console_streams,
-        prefix=f"[{wid}]:",
+        console=console_plan(c, slot, slot),
     )
 
 
@@ -248,7 +239,7 @@ class LiveRunner:
         wdir = self._log_root / wid
         spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
         if spare is None:
-            w = _cold(self._command, env, wdir, slot, wid, self.config.console_streams)
+            w = _cold(self._command, env, wdir, slot, self.config)
             included = include_now
         else:
             w = _warm(spare, self.config, env, wdir, slot, wid)

@@ -22,13 +22,38 @@ import shutil
 import tempfile
 import termios
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 TAIL_BYTES = 16384
 """How much of a worker's newest stderr stays in memory (the root cause's tail)."""
 _CONSOLE_FDS = {"stdout": 1, "stderr": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Console:
+    """How one worker's streams reach the agent's console."""
+
+    streams: frozenset[str] = frozenset()
+    """The streams shown (the others only go to the log files)."""
+    prefixes: Mapping[str, str] = field(default_factory=dict)
+    """Shown streams copied line by line after this prefix (torchrun's tee); the other
+    shown streams are copied unmodified, and through a pseudo-terminal where the agent's
+    own stream is a terminal."""
+
+    def tty(self) -> frozenset[str]:
+        return frozenset(s for s in self.streams - set(self.prefixes) if console_is_tty(s))
+
+    def _copy(self, name: str, wdir: Path) -> StreamCopy:
+        prefix = self.prefixes.get(name)
+        return StreamCopy(
+            name,
+            wdir / f"{name}.log",
+            _CONSOLE_FDS[name] if name in self.streams else None,
+            None if prefix is None else prefix.encode(),
+            keep_tail=name == "stderr",
+        )
 
 
 class _DiskNotice:
@@ -230,13 +255,6 @@ def console_is_tty(stream: str) -> bool:
         return False
 
 
-def tty_streams(console: frozenset[str]) -> frozenset[str]:
-    """The streams of ``console`` that a worker gets as a pseudo-terminal: those for
-    which the agent's own stream is a terminal (torchrun hands its workers the agent's
-    descriptors, so a terminal stays a terminal)."""
-    return frozenset(s for s in console if console_is_tty(s))
-
-
 def open_pty(like_fd: int) -> tuple[int, int]:
     """A pseudo-terminal (master, slave) for a worker's stream: the window size of the
     agent's terminal ``like_fd`` (progress bars size themselves from it), and no output
@@ -251,31 +269,23 @@ def open_pty(like_fd: int) -> tuple[int, int]:
     return master, slave
 
 
-def output_pipes(
-    wdir: Path, *, prefix: str, console: frozenset[str], tty: frozenset[str]
-) -> tuple[dict[str, int], Drain]:
+def output_pipes(wdir: Path, console: Console) -> tuple[dict[str, int], Drain]:
     """The write ends to give a worker as ``stdout``/``stderr`` (close them once it has
     started) and the :class:`Drain` (not started) that copies the read ends to
-    ``wdir/{stdout,stderr}.log`` and, for the streams in ``console``, to the agent's
-    console (a pseudo-terminal for those in ``tty``, else a pipe).
+    ``wdir/{stdout,stderr}.log`` and to the agent's console as ``console`` says (a
+    pseudo-terminal for its :meth:`Console.tty` streams, else a pipe).
 
     Raises:
         OSError: no pipe or terminal could be made.
     """
     ends: dict[str, int] = {}
     streams: dict[int, StreamCopy] = {}
+    tty = console.tty()
     try:
         for name, fd in _CONSOLE_FDS.items():
-            raw = name in tty and name in console
-            read, write = open_pty(fd) if raw else os.pipe()
+            read, write = open_pty(fd) if name in tty else os.pipe()
             ends[name] = write
-            streams[read] = StreamCopy(
-                name,
-                wdir / f"{name}.log",
-                fd if name in console else None,
-                None if raw else prefix.encode(),
-                keep_tail=name == "stderr",
-            )
+            streams[read] = console._copy(name, wdir)
     except OSError:
         for fd in (*ends.values(), *streams):
             os.close(fd)
@@ -283,9 +293,7 @@ def output_pipes(
     return ends, Drain(wdir.name, streams)
 
 
-def output_paths(
-    wdir: Path, *, prefix: str, console: frozenset[str], tty: frozenset[str]
-) -> tuple[dict[str, str], Drain]:
+def output_paths(wdir: Path, console: Console) -> tuple[dict[str, str], Drain]:
     """The same plumbing as :func:`output_pipes` for a process that is already running
     and opens its output by path (a warm spare taking an assignment): the paths to open
     for writing (a pseudo-terminal's device, or a FIFO in a private directory), and the
@@ -299,10 +307,10 @@ def output_paths(
     paths: dict[str, str] = {}
     streams: dict[int, StreamCopy] = {}
     held: list[int] = []
+    tty = console.tty()
     try:
         for name, fd in _CONSOLE_FDS.items():
-            raw = name in tty and name in console
-            if raw:
+            if name in tty:
                 read, write = open_pty(fd)
                 paths[name] = os.ttyname(write)
             else:
@@ -313,13 +321,7 @@ def output_paths(
                 os.set_blocking(read, True)
                 paths[name] = str(fifo)
             held.append(write)
-            streams[read] = StreamCopy(
-                name,
-                wdir / f"{name}.log",
-                fd if name in console else None,
-                None if raw else prefix.encode(),
-                keep_tail=name == "stderr",
-            )
+            streams[read] = console._copy(name, wdir)
     except OSError:
         for x in (*held, *streams):
             os.close(x)

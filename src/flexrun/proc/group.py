@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flexrun.cause import FailureCause
 from flexrun.proc.diagnose import cause_of
-from flexrun.proc.drain import tty_streams
+from flexrun.proc.drain import Console
 from flexrun.proc.logs import Tee, log_tail, start_tees
 from flexrun.proc.spawn import Worker, WorkerResult, kill_session, spawn_worker
 
@@ -100,12 +100,12 @@ class WorkerGroup:
         *,
         console_streams: frozenset[str] = frozenset({"stdout", "stderr"}),
         warm: WarmSource | None = None,
-        tty: frozenset[str] | None = None,
+        console: Callable[[int, int], Console] | None = None,
     ) -> WorkerGroup:
         """Start one process per environment in ``envs`` (local rank = index), logging to
-        ``log_dir/rank_<RANK>/``; the streams in ``tty`` (default: those of
-        ``console_streams`` where the agent's own stream is a terminal) get a
-        pseudo-terminal whose bytes reach the console unmodified and at once.
+        ``log_dir/rank_<RANK>/``; ``console(local_rank, rank)`` says how each worker's
+        streams reach the console (default: ``console_streams``, unmodified, a terminal
+        staying a terminal).
 
         Raises:
             OSError: a process or its log files could not be created (those already
@@ -114,8 +114,6 @@ class WorkerGroup:
         workers: list[Worker] = []
         tees: list[Tee] = []
         done = threading.Event()
-        if tty is None:
-            tty = tty_streams(console_streams)
         try:
             for local_rank, env in enumerate(envs):
                 rank = int(env["RANK"])
@@ -128,8 +126,12 @@ class WorkerGroup:
                         wdir,
                         rank=rank,
                         local_rank=local_rank,
-                        console=console_streams,
-                        tty=tty,
+                        stdin=None,  # (inherited, as torchrun's: breakpoint() works)
+                        console=(
+                            Console(console_streams)
+                            if console is None
+                            else console(local_rank, rank)
+                        ),
                     )
                 workers.append(w)
                 if w.output is None:  # (a warm spare writes its log files itself)

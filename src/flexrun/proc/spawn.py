@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from flexrun.proc.drain import Drain, output_pipes
+from flexrun.proc.drain import Console, Drain, output_pipes
 
 _SHIM = str(Path(__file__).with_name("_pdeathsig.py"))
 
@@ -161,18 +161,15 @@ def spawn_worker(
     rank: int,
     local_rank: int,
     stdin: int | None = subprocess.DEVNULL,
-    console: frozenset[str] | None = None,
-    tty: frozenset[str] = frozenset(),
-    prefix: str | None = None,
+    console: Console | None = None,
 ) -> Worker:
     """Start one worker logging to ``wdir/{stdout,stderr}.log`` (appended) with its
     ``TORCHELASTIC_ERROR_FILE`` at ``wdir/error.json``.
 
-    With ``console`` (the streams shown on the agent's console, maybe none) the agent
-    drains the worker's stdout and stderr (:mod:`.drain`) into the log files and to the
-    console: through a pseudo-terminal, unmodified, for the streams in ``tty``; else line
-    by line after ``prefix`` (default ``[rank<RANK>]:``). The worker then never writes a
-    file itself: a full log disk drops log lines, never the worker's writes. Without
+    With ``console`` (which streams the agent's console shows, and how) the agent drains
+    the worker's stdout and stderr (:mod:`.drain`) into the log files and to the console:
+    unmodified (through a pseudo-terminal where the agent's stream is a terminal), or line
+    by line after a prefix. The worker then never writes a file itself: a full log disk drops log lines, never the worker's writes. Without
     ``console`` (a warm spare, whose output moves when it is assigned) the worker's
     descriptors are the log files themselves.
 
@@ -189,9 +186,7 @@ def spawn_worker(
     offsets = {s: file_size(wdir / f"{s}.log") for s in ("stdout", "stderr")}
     if console is None:
         return _spawn_to_files(command, env, wdir, error_file, offsets, rank, local_rank, stdin)
-    ends, drain = output_pipes(
-        wdir, prefix=f"[rank{rank}]:" if prefix is None else prefix, console=console, tty=tty
-    )
+    ends, drain = output_pipes(wdir, console)
     full = dict(env)
     full["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import SparesError, SparesUntrusted
 from flexrun.proc import Worker, reap, spawn_worker
-from flexrun.proc.drain import output_paths, tty_streams
+from flexrun.proc.drain import Console, output_paths
 from flexrun.proc.spawn import file_size
 from flexrun.spares.adopted import AdoptedProcess
 from flexrun.spares.client import Adopted, take_spares
@@ -143,8 +143,7 @@ def assign(
     rank: int,
     local_rank: int,
     log_dir: Path | None = None,
-    console: frozenset[str] | None = None,
-    prefix: str | None = None,
+    console: Console | None = None,
 ) -> Worker:
     """Turn spare ``w`` into a worker; with ``log_dir`` its output moves to that
     directory's ``stdout.log``/``stderr.log`` (and its error file there). With ``console``
@@ -168,12 +167,7 @@ def assign(
                 path.touch()  # the agent's tees open it at once; the spare appends
                 logs[stream] = str(path)
         if console is not None:
-            logs, w.output = output_paths(
-                log_dir,
-                prefix=f"[rank{rank}]:" if prefix is None else prefix,
-                console=console,
-                tty=tty_streams(console),
-            )
+            logs, w.output = output_paths(log_dir, console)
     env["TORCHELASTIC_ERROR_FILE"] = str(w.error_file)
     task = Assignment(
         entry=entry,

@@ -74,7 +74,7 @@ def test_a_log_that_cannot_be_written_is_dropped_said_once_and_resumed(tmp_path:
 
 @pytest.mark.timeout(10)
 def test_a_process_that_opens_its_output_by_path_is_drained_too(tmp_path: Path) -> None:
-    paths, drain = d.output_paths(tmp_path, prefix="[w]:", console=frozenset(), tty=frozenset())
+    paths, drain = d.output_paths(tmp_path, d.Console())
     for name, path in paths.items():
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOCTTY)
         os.write(fd, f"{name} line\n".encode())
