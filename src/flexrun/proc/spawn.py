@@ -98,7 +98,7 @@ class Worker:
         worker writes its files itself; read the file from ``log_offsets``)."""
         if self.output is None:
             return None
-        self.output.wait_eof(1.0)  # (its last words may still be in the pipe)
+        self.output.wait_eof(0.5)  # (its last words may still be in the pipe)
         tail = self.output.tail("stderr")
         return None if tail is None else tail[-max_bytes:]
 
