@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "_clock": set(),
     "cause": set(),
     "exitcodes": set(),
-    "__init__": {"errors"},
+    "__init__": {"errors", "api"},  # (api: a lazy re-export in __getattr__, see LAZY)
     "events": {"_clock"},
     "live_protocol": {"errors"},
     "storage_options": {"errors"},
@@ -60,6 +60,9 @@ ALLOWED: dict[str, set[str]] = {
     # Entry points.
     "run_args": BASE | {"config"},  # flexrun run's argparse options (torchrun's, one for one)
     "cli": {"*"},
+    # The Python launch API (flexrun.launch, elastic_launch): above the agent, like cli; it
+    # starts a `flexrun run` agent and uses the run parser and config to validate options.
+    "api": {"*"},
     "__main__": {"cli"},
     "warm_agent": BASE | {"agent", "cli", "spares"},
 }
@@ -127,8 +130,14 @@ def test_no_import_runs_against_the_layers() -> None:
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
+LAZY = {("__init__", "api")}
+"""Arrows taken only when an attribute is first asked for (``flexrun.launch`` resolves
+``flexrun.api`` in the package's ``__getattr__``), never while a module imports: they
+cannot form an import cycle, so the cycle check leaves them out."""
+
+
 def test_no_two_units_import_each_other_even_through_others() -> None:
-    graph = {s: set(d) for s, d in unit_graph().items()}
+    graph = {s: {d for d in dsts if (s, d) not in LAZY} for s, dsts in unit_graph().items()}
     state: dict[str, int] = {}
     cycle: list[str] = []
 

@@ -28,6 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     config = run_config_from_args(ns, ns.environ)
+    ns.run_dir_used = config.run_dir  # (main's JobFailed points at the logs)
     if config.spares_dir is not None and ns.delegate:
         # The node's `flexrun spares` may hold an agent with its imports done: run there.
         from flexrun.spares.client import run_in_warm_agent
@@ -154,14 +155,27 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, *, delegate: bool = True) -> int:
-    """``flexrun <argv>``; ``delegate=False``: never hand ``run`` to a warm agent (this
-    process is one)."""
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    delegate: bool = True,
+    raise_on_failure: bool | None = None,
+) -> int:
+    """``flexrun <argv>``; returns the exit code.
+
+    Called with ``argv`` (``flexrun.cli.main(["run", ...])``, as ``torch.distributed.run.
+    main(argv)``), a ``run`` whose job fails raises :class:`~flexrun.errors.JobFailed`
+    (the exit code and the root cause: torch raises ``ChildFailedError``); the console
+    script (``argv`` None) returns the exit code instead. ``raise_on_failure`` overrides
+    that choice. Bad input is one line on stderr and 2 either way. ``delegate=False``:
+    never hand ``run`` to a warm agent (this process is one)."""
+    raising = argv is not None if raise_on_failure is None else raise_on_failure
     argv = list(sys.argv[1:] if argv is None else argv)
     env = process_environ()
     # Before torch loads: c10d warns about every expired bounded store wait, which the
     # agent uses on purpose. Workers get the user's own setting (captured above).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    since = time.time()
     try:
         parser = build_parser(env)
         ns = parser.parse_args(argv)
@@ -172,12 +186,18 @@ def main(argv: Sequence[str] | None = None, *, delegate: bool = True) -> int:
         )
         ns.environ = env
         ns.argv, ns.delegate = argv, delegate
-        return int(ns.func(ns))
+        code = int(ns.func(ns))
     except FlexrunError as exc:
         print(f"flexrun: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    run_dir = getattr(ns, "run_dir_used", None)
+    if raising and code != 0 and run_dir is not None:
+        from flexrun.api import job_failure
+
+        raise job_failure(code, run_dir, since)
+    return code
 
 
 if __name__ == "__main__":

@@ -104,3 +104,37 @@ class SparesUntrusted(SparesError):
 
 class SparesProtocolError(SparesError):
     """A request or reply on a spares socket (or a spare's assignment) is malformed."""
+
+
+class JobFailed(FlexrunError):
+    """A job started through the Python API (``flexrun.launch``, ``flexrun.cli.main``)
+    ended in failure, as torch's ``ChildFailedError``: ``exit_code`` is the agent's exit
+    code; ``rank``, ``exc_type``, ``exc_message`` and ``remote_traceback`` describe the
+    root cause as the failing rank reported it (empty when it left no record, e.g. killed by
+    a signal); ``failures`` maps every rank that reported an exception to
+    ``(exc_type, exc_message, remote_traceback)``."""
+
+    def __init__(
+        self,
+        summary: str,
+        *,
+        exit_code: int,
+        rank: int | None = None,
+        exc_type: str = "",
+        exc_message: str = "",
+        remote_traceback: str = "",
+        failures: dict[int, tuple[str, str, str]] | None = None,
+    ) -> None:
+        super().__init__(summary)
+        self.exit_code = exit_code
+        self.rank = rank
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.remote_traceback = remote_traceback
+        self.failures = dict(failures or {})
+
+    def __str__(self) -> str:
+        text = str(self.args[0]) if self.args else ""
+        if self.remote_traceback:
+            text += "\n\nTraceback of the failing rank:\n" + self.remote_traceback.rstrip()
+        return text

@@ -34,7 +34,9 @@ def main() -> int:
         return 2
     if req is None:
         return 0
-    return run_recorded(lambda: flexrun.cli.main(list(req.argv), delegate=False), record)
+    return run_recorded(
+        lambda: flexrun.cli.main(list(req.argv), delegate=False, raise_on_failure=False), record
+    )
 
 
 if __name__ == "__main__":

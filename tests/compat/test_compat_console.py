@@ -51,11 +51,11 @@ def test_the_same_worker_lines_reach_the_console(runner: Runner, case: Case, str
 
 
 EXACT = [
-    pytest.param(PLAIN, marks=pending("no [rankN]: prefix on untee'd output")),
-    pytest.param(TEE, marks=pending("torchrun's [<role><local_rank>]: prefix on tee'd lines")),
-    pytest.param(TEMPLATE, marks=pending("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")),
-    pytest.param(REDIRECT_MAP, marks=pending("per-rank --redirects maps")),
-    pytest.param(FILTER, marks=pending("--local-ranks-filter on the console")),
+    pytest.param(PLAIN),
+    pytest.param(TEE),
+    pytest.param(TEMPLATE),
+    pytest.param(REDIRECT_MAP),
+    pytest.param(FILTER),
 ]
 
 
@@ -121,7 +121,6 @@ def test_duplicate_filters_copy_matching_lines(runner: Runner) -> None:
 STDIN = Case("stdin_is_inherited", ("--standalone",), script_args=("--stdin",), stdin="hello\n")
 
 
-@pending("worker stdin inherited from the agent")
 @pytest.mark.timeout(300)
 def test_a_worker_reads_the_launchers_stdin(runner: Runner) -> None:
     runs = runner(STDIN)
@@ -141,7 +140,6 @@ def test_a_tty_progress_bar_runs_to_its_end(runner: Runner) -> None:
         assert "step 3/3 rank0" in run.stdout, run.launcher
 
 
-@pending("workers writing straight to the agent's terminal (a \\r bar shows at once)")
 @pytest.mark.timeout(300)
 def test_a_tty_progress_bar_updates_in_place(runner: Runner) -> None:
     runs = runner(PROGRESS)

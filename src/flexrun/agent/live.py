@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.console import console_plan
 from flexrun.agent.live_epochs import EpochPublisher
 from flexrun.agent.policy import LiveFailed, LiveFinished
 from flexrun.agent.runner import RoundStart
@@ -65,6 +66,44 @@ class LiveWorker:
     """Part of this node's published member list."""
     finished: bool = False
     tees: list[Tee] = field(default_factory=list)
+
+
+def _cold(command: list[str], env: dict[str, str], wdir: Path, slot: int, c: RunConfig) -> Worker:
+    """A fresh worker for ``slot``, its output drained by the agent (a terminal stays one)."""
+    return spawn_worker(
+        command,
+        env,
+        wdir,
+        rank=slot,
+        local_rank=slot,
+        stdin=None,  # (inherited, as torchrun's)
+        console=console_plan(c, slot, slot),
+    )
+
+
+def _warm(
+    spare: Worker, c: RunConfig, env: dict[str, str], wdir: Path, slot: int, wid: str
+) -> Worker:
+    """Warm ``spare`` assigned to ``slot``; its output drained as a fresh worker's."""
+    return assign(
+        spare,
+        env=env,
+        entry=c.entrypoint,
+        args=c.args,
+        module=c.module,
+        rank=slot,
+        local_rank=slot,
+        log_dir=wdir,
+        console=console_plan(c, slot, slot),
+    )
+
+
+def _tees(w: Worker, wid: str, console: frozenset[str], done: threading.Event) -> list[Tee]:
+    """Console copies of a warm spare's log files (it writes them itself); none for a
+    worker whose output the agent drains."""
+    if w.output is not None:
+        return []
+    return start_tees(w.log_dir, f"[{wid}]:", console, done, w.log_offsets)
 
 
 class LiveRunner:
@@ -192,26 +231,14 @@ class LiveRunner:
         wdir = self._log_root / wid
         spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
         if spare is None:
-            w = spawn_worker(self._command, env, wdir, rank=slot, local_rank=slot)
+            w = _cold(self._command, env, wdir, slot, self.config)
             included = include_now
         else:
-            c = self.config
-            w = assign(
-                spare,
-                env=env,
-                entry=c.entrypoint,
-                args=c.args,
-                module=c.module,
-                rank=slot,
-                local_rank=slot,
-                log_dir=wdir,
-            )
+            w = _warm(spare, self.config, env, wdir, slot, wid)
             included = include_now or not joining
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
         lw = LiveWorker(wid, w, hb, included=included)
-        lw.tees = start_tees(
-            w.log_dir, f"[{wid}]:", self.config.console_streams, self._tee_done, w.log_offsets
-        )
+        lw.tees = _tees(w, wid, self.config.console_streams, self._tee_done)
         self.slots[slot] = lw
         self.events.emit(
             "worker_started",

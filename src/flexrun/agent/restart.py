@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
+from flexrun.agent.console import console_plan
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
 from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
@@ -120,6 +121,7 @@ class RestartRunner:
             log_dir,
             console_streams=c.console_streams,
             warm=self._warm if self.pool is not None else None,
+            console=lambda local_rank, rank: console_plan(c, local_rank, rank),
         )
         self.round = rnd
         self.runs += 1
@@ -165,6 +167,7 @@ class RestartRunner:
             rank=rank,
             local_rank=local_rank,
             log_dir=wdir,
+            console=console_plan(c, local_rank, rank),
         )
 
     # -- monitoring --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flexrun.cause import FailureCause
 from flexrun.proc.diagnose import cause_of
+from flexrun.proc.drain import Console
 from flexrun.proc.logs import Tee, log_tail, start_tees
 from flexrun.proc.spawn import Worker, WorkerResult, kill_session, spawn_worker
 
@@ -35,7 +36,9 @@ def read_cause(w: Worker, result: WorkerResult) -> FailureCause:
         error_text: str | None = w.error_file.read_text(errors="replace")
     except OSError:
         error_text = None
-    tail = log_tail(w.log_dir / "stderr.log", since=w.log_offsets.get("stderr", 0))
+    tail = w.stderr_tail()
+    if not tail:  # (not drained, or nothing came through the drain: the file says more)
+        tail = log_tail(w.log_dir / "stderr.log", since=w.log_offsets.get("stderr", 0))
     return cause_of(
         result, error_file=error_text, stderr_tail=tail, note=w.note, log_dir=str(w.log_dir)
     )
@@ -97,9 +100,12 @@ class WorkerGroup:
         *,
         console_streams: frozenset[str] = frozenset({"stdout", "stderr"}),
         warm: WarmSource | None = None,
+        console: Callable[[int, int], Console] | None = None,
     ) -> WorkerGroup:
         """Start one process per environment in ``envs`` (local rank = index), logging to
-        ``log_dir/rank_<RANK>/``.
+        ``log_dir/rank_<RANK>/``; ``console(local_rank, rank)`` says how each worker's
+        streams reach the console (default: ``console_streams``, unmodified, a terminal
+        staying a terminal).
 
         Raises:
             OSError: a process or its log files could not be created (those already
@@ -114,11 +120,26 @@ class WorkerGroup:
                 wdir = log_dir / f"rank_{rank}"
                 w = warm(env, wdir, rank, local_rank) if warm is not None else None
                 if w is None:
-                    w = spawn_worker(command, env, wdir, rank=rank, local_rank=local_rank)
+                    w = spawn_worker(
+                        command,
+                        env,
+                        wdir,
+                        rank=rank,
+                        local_rank=local_rank,
+                        stdin=None,  # (inherited, as torchrun's: breakpoint() works)
+                        console=(
+                            Console(console_streams)
+                            if console is None
+                            else console(local_rank, rank)
+                        ),
+                    )
                 workers.append(w)
-                tees.extend(
-                    start_tees(w.log_dir, f"[rank{rank}]:", console_streams, done, w.log_offsets)
-                )
+                if w.output is None:  # (a warm spare writes its log files itself)
+                    tees.extend(
+                        start_tees(
+                            w.log_dir, f"[rank{rank}]:", console_streams, done, w.log_offsets
+                        )
+                    )
         except OSError:
             cls(workers, tees, done).stop(grace_s=0)
             raise

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+from flexrun.proc.drain import Console, Drain, output_pipes
+
 _SHIM = str(Path(__file__).with_name("_pdeathsig.py"))
 
 
@@ -79,12 +81,26 @@ class Worker:
     log_offsets: dict[str, int] = field(default_factory=dict)
     """Size of each log file (``stdout``/``stderr``) when this attempt started: a reused
     run directory appends, and only what this attempt wrote is its own."""
+    output: Drain | None = None
+    """The agent's copier of the worker's output pipes (None: the worker writes its log
+    files itself, as a warm spare assigned a log directory does)."""
 
     def close_files(self) -> None:
-        """Close the agent's handles on the worker's log files."""
+        """Drain and close the worker's output and the agent's handles on its files."""
         for f in self.files:
             f.close()
         self.files.clear()
+        if self.output is not None:
+            self.output.close()
+
+    def stderr_tail(self, max_bytes: int = 8192) -> str | None:
+        """What this attempt wrote last on stderr, from the agent's copier (None: the
+        worker writes its files itself; read the file from ``log_offsets``)."""
+        if self.output is None:
+            return None
+        self.output.wait_eof(0.5)  # (its last words may still be in the pipe)
+        tail = self.output.tail("stderr")
+        return None if tail is None else tail[-max_bytes:]
 
 
 def build_command(
@@ -145,17 +161,56 @@ def spawn_worker(
     rank: int,
     local_rank: int,
     stdin: int | None = subprocess.DEVNULL,
+    console: Console | None = None,
 ) -> Worker:
     """Start one worker logging to ``wdir/{stdout,stderr}.log`` (appended) with its
     ``TORCHELASTIC_ERROR_FILE`` at ``wdir/error.json``.
 
+    With ``console`` (which streams the agent's console shows, and how) the agent drains
+    the worker's stdout and stderr (:mod:`.drain`) into the log files and to the console:
+    unmodified (through a pseudo-terminal where the agent's stream is a terminal), or line
+    by line after a prefix. The worker then never writes a file itself: a full log disk drops log lines, never the worker's writes. Without
+    ``console`` (a warm spare, whose output moves when it is assigned) the worker's
+    descriptors are the log files themselves.
+
     Raises:
-        OSError: the log directory or the process could not be created.
+        OSError: no pipe, terminal or process could be made.
     """
-    wdir.mkdir(parents=True, exist_ok=True)
+    # A failing log disk must not stop the worker: the copier counts (and says) what it
+    # cannot write.
+    with contextlib.suppress(OSError):
+        wdir.mkdir(parents=True, exist_ok=True)
     error_file = wdir / "error.json"
-    error_file.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        error_file.unlink(missing_ok=True)
     offsets = {s: file_size(wdir / f"{s}.log") for s in ("stdout", "stderr")}
+    if console is None:
+        return _spawn_to_files(command, env, wdir, error_file, offsets, rank, local_rank, stdin)
+    ends, drain = output_pipes(wdir, console)
+    full = dict(env)
+    full["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    try:
+        proc = spawn(command, full, stdin=stdin, stdout=ends["stdout"], stderr=ends["stderr"])
+    except OSError:
+        drain.close(0)
+        raise
+    finally:
+        for fd in ends.values():
+            os.close(fd)
+    drain.start()
+    return Worker(local_rank, rank, proc, wdir, error_file, log_offsets=offsets, output=drain)
+
+
+def _spawn_to_files(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    wdir: Path,
+    error_file: Path,
+    offsets: dict[str, int],
+    rank: int,
+    local_rank: int,
+    stdin: int | None,
+) -> Worker:
     out = (wdir / "stdout.log").open("ab")
     err = (wdir / "stderr.log").open("ab")
     full = dict(env)

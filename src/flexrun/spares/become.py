@@ -80,8 +80,11 @@ def serve_assignment(prepare: Prepare | None = None, stdin: IO[bytes] | None = N
 def _become_worker(task: Assignment, prepare: Prepare | None) -> int:
     for stream, fd in ((task.stdout, 1), (task.stderr, 2)):
         if stream:
-            # The worker's own log file for its rank, as if it had been started fresh.
-            target = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            # The agent's drain for its rank (a FIFO or a pseudo-terminal, see
+            # flexrun.proc.drain.output_paths) or its log file, as if started fresh. Never
+            # a controlling terminal (this process leads its session).
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOCTTY
+            target = os.open(stream, flags, 0o644)
             os.dup2(target, fd)
             os.close(target)
     _take_context(task.env, task.cwd, task.agent_pid)

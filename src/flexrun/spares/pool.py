@@ -26,6 +26,7 @@ from pathlib import Path
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import SparesError, SparesUntrusted
 from flexrun.proc import Worker, reap, spawn_worker
+from flexrun.proc.drain import Console, output_paths
 from flexrun.proc.spawn import file_size
 from flexrun.spares.adopted import AdoptedProcess
 from flexrun.spares.client import Adopted, take_spares
@@ -150,9 +151,12 @@ def assign(
     rank: int,
     local_rank: int,
     log_dir: Path | None = None,
+    console: Console | None = None,
 ) -> Worker:
     """Turn spare ``w`` into a worker; with ``log_dir`` its output moves to that
-    directory's ``stdout.log``/``stderr.log`` (and its error file there).
+    directory's ``stdout.log``/``stderr.log`` (and its error file there). With ``console``
+    too, the agent drains its output as a fresh worker's (``spawn_worker(console=)``): the
+    spare opens a FIFO or a pseudo-terminal (``proc.drain.output_paths``), never the files.
 
     Raises:
         OSError: the spare is gone (its assignment channel is closed).
@@ -167,8 +171,11 @@ def assign(
         for stream in ("stdout", "stderr"):
             path = log_dir / f"{stream}.log"
             w.log_offsets[stream] = file_size(path)
-            path.touch()  # the agent's tees open it at once; the spare appends
-            logs[stream] = str(path)
+            if console is None:
+                path.touch()  # the agent's tees open it at once; the spare appends
+                logs[stream] = str(path)
+        if console is not None:
+            logs, w.output = output_paths(log_dir, console)
     env["TORCHELASTIC_ERROR_FILE"] = str(w.error_file)
     task = Assignment(
         entry=entry,
@@ -182,7 +189,13 @@ def assign(
         agent_pid=os.getpid() if isinstance(w.proc, AdoptedProcess) else None,
     )
     assert w.proc.stdin is not None
-    w.proc.stdin.write(task.encode())
-    w.proc.stdin.close()
+    try:
+        w.proc.stdin.write(task.encode())
+        w.proc.stdin.close()
+    except OSError:
+        if w.output is not None:
+            w.output.close(0)
+            w.output = None
+        raise
     w.rank, w.local_rank = rank, local_rank
     return w
