@@ -49,14 +49,17 @@ def test_a_multi_node_run_signs_with_the_secret_it_is_given_and_only_then(
     )
 
 
-def test_live_mode_with_a_secret_is_refused_and_a_secret_on_the_command_line_too(
+def test_live_mode_takes_a_secret_and_a_secret_on_the_command_line_is_refused(
     script: str, tmp_path: Path
 ) -> None:
     secret = tmp_path / "secret"
     secret.write_text("ab" * 32)
     secret.chmod(0o600)
-    with pytest.raises(ConfigError, match="--mode live with a job secret"):
-        cfg(["--mode", "live", "--standalone", script], {"FLEXRUN_JOB_SECRET_FILE": str(secret)})
-    assert cfg(["--mode", "live", "--standalone", script]).store.secret is None
+    given = cfg(
+        ["--mode", "live", "--standalone", script], {"FLEXRUN_JOB_SECRET_FILE": str(secret)}
+    )
+    assert given.store.secret == b"ab" * 32
+    generated = cfg(["--mode", "live", "--standalone", script]).store.secret
+    assert generated is not None and len(generated) == 64  # one per standalone run, as restart
     with pytest.raises(ConfigError, match="secret"):
         cfg(["--rdzv-conf", "secret=" + "ab" * 32, "--standalone", script])
