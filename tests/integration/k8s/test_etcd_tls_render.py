@@ -39,12 +39,8 @@ from flexrun.errors import StoreUnavailable
 from flexrun.k8s.render import render
 from flexrun.k8s.spec import parse_job_spec
 from flexrun.k8s.spec_types import JOB_SECRET_DIR, JOB_SECRET_KEY
+from flexrun.store.etcd import EtcdStore
 from flexrun.testing.etcd_server import MISSING, etcd_binary
-
-if os.environ.get("CI") != "true":
-    pytest.importorskip("etcd3gw", reason="the etcd extra is not installed")
-
-from flexrun.store.etcd import EtcdStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
