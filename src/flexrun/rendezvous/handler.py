@@ -312,14 +312,15 @@ class RendezvousHandler:
                 self.note_header(rec)
                 return self._with_mine(rec)
 
-    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
+    def report_failure(self, failed_round: int, root_cause: FailureCause, *, progressed: bool | None = None) -> RoundRecord:  # noqa: E501
         """Start the next round after a worker failure (or end the job if restarts are
-        spent); a round someone already moved on from is returned as it is."""
+        spent, or in a crash loop: ``progressed`` False); a round someone already moved
+        on from is returned as it is."""
 
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.number != failed_round or r.state != RUNNING:
                 return None
-            return failure_round(r, self.settings, root_cause, floor=self.floor)
+            return failure_round(r, self.settings, root_cause, floor=self.floor, progressed=progressed)  # noqa: E501
 
         return self._rewrite(make) or self._round_lost()
 
@@ -332,12 +333,15 @@ class RendezvousHandler:
         known = self.known_round
         return known if known is not None else RoundRecord(self.floor, PENDING, (), 0, "lost")
 
-    def count_failure(self, root_cause: FailureCause) -> RoundRecord:
+    def count_failure(self, root_cause: FailureCause, *, progressed: bool | None = None) -> RoundRecord:  # noqa: E501
         """Live mode: count a failure against --max-restarts without changing the round
         (survivors keep running); end the job if restarts are spent."""
+        now = self.clock.wall()
 
         def make(r: RoundRecord) -> RoundRecord | None:
-            return counted_failure(r, self.settings, root_cause) if r.state == RUNNING else None
+            if r.state != RUNNING:
+                return None
+            return counted_failure(r, self.settings, root_cause, now=now, progressed=progressed)
 
         return self._rewrite(make) or self._round_lost()
 
