@@ -166,14 +166,22 @@ def _write(*, force: bool) -> None:
         return
     _state.last_write = now
     line = f"{_state.steps} {_state.beats}".ljust(_LINE - 1) + "\n"
+    assert _state.fd is not None
     try:
-        os.pwrite(_state.fd, line.encode(), 0)  # type: ignore[arg-type]
+        os.pwrite(_state.fd, line.encode(), 0)
     except OSError:
-        _state.write_errors += 1  # (a full or failing disk: the agent sees a stale mtime)
-
+        # A full disk: the line never fit (it was created on a full disk; once written,
+        # overwriting it in place needs no new block). Keep the mtime current, which
+        # needs none either: the agent still sees this worker alive.
+        _state.write_errors += 1
+        try:
+            os.utime(_state.fd)
+        except OSError:
+            _state.write_errors += 1
 
 def read(path: str | os.PathLike[str]) -> tuple[int, int, float] | None:
-    """(steps, beats, mtime) of a progress file, or None if it does not exist (yet)."""
+    """(steps, beats, mtime) of a progress file, or None if it does not exist (yet);
+    steps -1: unknown (the hook could never write its line: a full disk)."""
     try:
         with open(path, "rb") as fh:
             st = os.fstat(fh.fileno())
@@ -181,8 +189,10 @@ def read(path: str | os.PathLike[str]) -> tuple[int, int, float] | None:
     except FileNotFoundError:
         return None
     parts = raw.split()
+    if not parts:
+        return -1, 0, st.st_mtime
     try:
-        steps = int(parts[0]) if parts else 0
+        steps = int(parts[0])
         beats = int(parts[1]) if len(parts) > 1 else 0
     except ValueError:
         steps, beats = 1, 0  # an older report_progress format (the step number)

@@ -64,6 +64,9 @@ class RankProgress:
     step_time_s: float | None = None
     """Mean seconds per step (exponentially weighted)."""
     longest_gap_s: float = 0.0
+    counted: bool = True
+    """Its steps can be read (False: the hook never could write them, a full disk; its
+    mtime still says it is alive)."""
     _step_seen_at: float | None = None
 
     @property
@@ -76,6 +79,7 @@ class RankProgress:
         if got is None:
             return
         steps, beats, mtime = got
+        self.counted = steps >= 0
         if self.last_seen is not None and mtime > self.last_seen:
             self.longest_gap_s = max(self.longest_gap_s, mtime - self.last_seen)
         if steps > self.steps:
@@ -123,7 +127,7 @@ class ProgressBook:
         """A step was completed this round (None: nothing can tell, no hook installed)."""
         if any(rp.steps > 0 for rp in self.ranks.values()):
             return True
-        return False if self.observable() else None
+        return False if any(rp.hooked and rp.counted for rp in self.ranks.values()) else None
 
     def first_step_mono(self) -> float | None:
         seen = [rp.first_step_mono for rp in self.ranks.values() if rp.first_step_mono is not None]
