@@ -188,3 +188,29 @@ def test_no_module_or_class_outgrows_its_budget() -> None:
                 if size > MAX_CLASS_LINES:
                     big.append(f"{module_name(path)}.{node.name}: {size} lines")
     assert not big, "over the size budget:\n" + "\n".join(big)
+
+
+PURE = ("agent/policy.py", "rendezvous/decide.py", "train/live_plan.py")
+"""The decisions: given their inputs (events, views, ``now``) they return what to do."""
+PURE_STDLIB = {"__future__", "collections", "dataclasses", "enum", "math", "typing"}
+
+
+def test_the_decisions_are_pure() -> None:
+    # No I/O, no clock, no threads: a decision module imports only data types from the
+    # standard library, and the names it calls are its own or its inputs'.
+    for rel in PURE:
+        tree = ast.parse((SRC / rel).read_text(), filename=rel)
+        stdlib = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                stdlib |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                stdlib.add((node.module or "").split(".")[0])
+        stdlib.discard("flexrun")
+        assert stdlib <= PURE_STDLIB, f"{rel} imports {sorted(stdlib - PURE_STDLIB)}"
+        calls = {
+            n.func.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert not calls & {"open", "print", "input", "exec", "eval"}, f"{rel} calls {calls}"

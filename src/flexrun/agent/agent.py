@@ -168,6 +168,7 @@ class Agent:
                 log.warning("store reachable again after %.1fs", down)
                 self.events.emit("store_recovered", down_s=round(down, 3))
                 self._outage_since, self._outage_tries = None, 0
+                self._decide(policy.StoreBack())
             if code is not None:
                 return code
 

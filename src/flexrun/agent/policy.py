@@ -159,6 +159,13 @@ class RoundSeen:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreBack:
+    """The store answered again after an outage. A lost peer is only seen once the store
+    is back and its keep-alive has expired there (etcd renews leases on restart), so a
+    node settling a failure waits ``settle_s`` more from now."""
+
+
+@dataclass(frozen=True, slots=True)
 class Reported:
     """The failure being reported was taken by the rendezvous."""
 
@@ -168,7 +175,7 @@ class Halted:
     """This node's workers were stopped (the rendezvous said so, or the agent stops)."""
 
 
-Event = Started | Exited | LiveFailed | LiveFinished | RoundSeen | Reported | Halted
+Event = Started | Exited | LiveFailed | LiveFinished | RoundSeen | StoreBack | Reported | Halted
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -228,6 +235,10 @@ def step(phase: Phase, event: Event, now: float, settings: PolicySettings) -> De
         return Decision(Idle()) if isinstance(phase, Reporting) else Decision(phase)
     if isinstance(event, Exited) and isinstance(phase, Training | AwaitingCause):
         return _on_exits(phase, event, now, settings)
+    if isinstance(event, StoreBack) and isinstance(phase, Settling):
+        return Decision(
+            Settling(phase.round, phase.cause, max(phase.until, now + settings.settle_s))
+        )
     if isinstance(event, RoundSeen) and isinstance(phase, Settling):
         return _on_round(phase, event, now)
     if isinstance(event, LiveFailed) and isinstance(phase, Training):

@@ -79,6 +79,16 @@ def store_port(spec: JobSpec) -> int:
     return ETCD_CLIENT_PORT if spec.store.type == "etcd" else spec.store.port
 
 
+def worker_rdzv_conf(spec: JobSpec) -> list[tuple[str, str]]:
+    """Every ``--rdzv-conf`` entry of a worker pod: the spec's, etcd's TLS files, and for the
+    tcp store ``is_host=false`` (the store runs in its own Deployment: an agent never hosts
+    it, even where the Service's address looks like its own, e.g. with ``hostNetwork``)."""
+    conf = [*spec.rdzv_conf, *etcd_client_conf(spec)]
+    if spec.store.type != "etcd" and not any(k == "is_host" for k, _ in conf):
+        conf.append(("is_host", "false"))
+    return conf
+
+
 def etcd_client_conf(spec: JobSpec) -> list[tuple[str, str]]:
     """``--rdzv-conf`` entries a worker needs for etcd's TLS (paths of the mounted Secret)."""
     if spec.store.type != "etcd":

@@ -31,13 +31,13 @@ from flexrun.k8s.objects import (
     ETCD_MEMBERS,
     ETCD_PEER_PORT,
     Manifest,
-    etcd_client_conf,
     fresh,
     labels,
     meta,
     store_port,
     store_service_name,
     supporting_objects,
+    worker_rdzv_conf,
 )
 from flexrun.k8s.pods import (
     AGENT_EXIT_MARGIN_S,
@@ -66,7 +66,7 @@ def render_pytorchjob(spec: JobSpec) -> Manifest:
         "rdzvId": spec.name,
         "maxRestarts": spec.max_restarts,
     }
-    conf = [*spec.rdzv_conf, *etcd_client_conf(spec)]
+    conf = worker_rdzv_conf(spec)
     if conf:
         elastic["rdzvConf"] = [{"key": k, "value": v} for k, v in conf]
     if spec.hpa_metrics:

@@ -36,10 +36,10 @@ from typing import Any
 from flexrun import exitcodes
 from flexrun.k8s.objects import (
     Manifest,
-    etcd_client_conf,
     meta,
     store_port,
     store_service_name,
+    worker_rdzv_conf,
 )
 from flexrun.k8s.pods import entrypoint as script_argv
 from flexrun.k8s.pods import (
@@ -94,7 +94,7 @@ def launcher_command(spec: JobSpec) -> list[str]:
         "--max-restarts",
         str(spec.max_restarts),
     ]
-    conf = [*spec.rdzv_conf, *etcd_client_conf(spec)]
+    conf = worker_rdzv_conf(spec)
     if conf:
         cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf)]
     if spec.nproc_per_node in NPROC_WORDS:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import ssl
 import subprocess
@@ -37,6 +38,7 @@ from support import free_port
 from flexrun.errors import StoreUnavailable
 from flexrun.k8s.render import render
 from flexrun.k8s.spec import parse_job_spec
+from flexrun.k8s.spec_types import JOB_SECRET_DIR, JOB_SECRET_KEY
 from flexrun.testing.etcd_server import MISSING, etcd_binary
 
 if os.environ.get("CI") != "true":
@@ -201,7 +203,14 @@ def test_rendered_etcd_admits_the_rendered_credentials_and_refuses_everyone_else
     env = {**torch_plugin_env(kinds["TrainingRuntime"], kinds["TrainJob"], 0)}
     env.update(container_env(container, {"status.podIP": "127.0.0.1"}))
     service = Dns({(f"{JOB}-etcd", 2379): ("127.0.0.1", m.client_ports[0])})
-    mounts = Mounts({SECRET_DIR: secret})
+    # The job Secret (kubectl create secret ... --from-literal=secret=$(openssl rand -hex 32)),
+    # mounted read-only with the rendered volume's mode.
+    job_secret = tmp_path / "job-secret"
+    job_secret.mkdir()
+    (job_secret / JOB_SECRET_KEY).write_text(secrets.token_hex(32))
+    (job_secret / JOB_SECRET_KEY).chmod(0o440)
+    mounts = Mounts({SECRET_DIR: secret, JOB_SECRET_DIR: job_secret})
+    env = {k: mounts.rewrite(v) for k, v in env.items()}
     argv = [mounts.rewrite(service.rewrite(expand(a, env))) for a in container["command"]]
     argv += container["args"]
     assert argv[:2] == ["flexrun", "run"]

@@ -107,6 +107,20 @@ def test_a_settling_failure_is_counted_when_the_round_does_not_move_in_time() ->
     assert isinstance(d.phase, p.Reporting) and kinds(d) == [p.Report]
 
 
+def test_a_store_outage_while_settling_restarts_the_wait_from_when_the_store_is_back() -> None:
+    # The lost peer's keep-alive can only expire once the store answers again (etcd renews
+    # leases when it restarts): the wait must not run out while the store was away.
+    phase = p.Settling(4, FailureCause(rank=0, message="reset by peer"), 22.0)
+    back = p.step(phase, p.StoreBack(), 20.0, S)
+    assert back.phase == p.Settling(4, phase.cause, 20.0 + S.settle_s) and not back.actions
+    assert isinstance(p.step(back.phase, p.RoundSeen(4), 23.0, S).phase, p.Settling)
+    moved = p.step(back.phase, p.RoundSeen(5), 25.0, S)
+    assert isinstance(moved.phase, p.Idle) and kinds(moved) == [p.Follow]
+    # A longer wait is kept; in any other phase the store's return changes nothing.
+    assert p.step(p.Settling(4, phase.cause, 99.0), p.StoreBack(), 20.0, S).phase.until == 99.0  # type: ignore[union-attr]
+    assert p.step(p.Training(4), p.StoreBack(), 20.0, S) == p.Decision(p.Training(4))
+
+
 def test_a_store_that_lost_the_round_while_settling_is_followed_not_counted() -> None:
     phase = p.Settling(4, FailureCause(rank=0), 22.0)
     d = p.step(phase, p.RoundSeen(None), 12.0, S)
