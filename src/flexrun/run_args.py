@@ -171,8 +171,8 @@ def add_torchrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         "--max-restarts",
         default=0,
         type=int,
-        help="failures tolerated before giving up; restart mode: per job, default 0 "
-        "(torchrun's); live mode: per hour, default 10",
+        help="failures tolerated before giving up: per job in restart mode (torchrun's "
+        "default); per hour in live mode, where an absent flag means 10",
     )
     o.value(
         "--monitor-interval", default=0.1, type=float, help="seconds between worker health checks"
