@@ -72,7 +72,9 @@ def test_a_plain_script_sleeping_forever_in_a_step_is_caught_and_recovers(procs:
     assert agent.wait(timeout=140) == 0, procs.stderr("hang")[-3000:]
     events = read_events(run_dir)
     (hang,) = [e for e in events if e["event"] == "hang_detected"]
-    assert hang["rank"] == 1 and hang["steps"] >= 5 and hang["floor_s"] == 3.0
+    # (rank 0 waits in DDP's backward, in C++: no Python collective frame tells it from the
+    # sleeper, so either may be blamed; both are silent and both stacks are kept)
+    assert hang["rank"] in (0, 1) and hang["steps"] >= 5 and hang["floor_s"] == 3.0
     assert hang["limit_s"] >= 3.0 and hang["cap_s"] >= hang["limit_s"]
     text = Path(hang["stacks_file"]).read_text()
     assert "sleep_forever_in_step" in text, text[:2000]
@@ -150,7 +152,7 @@ def full_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
     if rc != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        with open(mnt / "fill", "wb") as fh:
+        with open(mnt / "fill", "wb", buffering=0) as fh:
             try:
                 while True:
                     fh.write(b"\0" * 4096)
@@ -176,7 +178,7 @@ def test_a_run_directory_on_a_full_disk_does_not_stop_the_agent(procs: Procs, fu
     # rank 0 fails once per attempt: the failure paths (events, root cause) run too
     assert agent.wait(timeout=140) == 1, procs.stderr("full")[-3000:]
     err = procs.stderr("full")
-    assert "Traceback" not in err.split("traceback of the failing rank")[0], err[-3000:]
+    assert "flexrun/events.py" not in err and "Errno 28" not in err, err[-3000:]
     assert err.count("cannot write the event log") == 1
     assert "restarts exhausted" in err
 

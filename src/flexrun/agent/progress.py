@@ -80,7 +80,8 @@ class RankProgress:
             return
         steps, beats, mtime = got
         self.counted = steps >= 0
-        if self.last_seen is not None and mtime > self.last_seen:
+        if self.last_seen is not None and self.steps > 0 and mtime > self.last_seen:
+            # (silences after the first step: start-up, imports and init are not steps)
             self.longest_gap_s = max(self.longest_gap_s, mtime - self.last_seen)
         if steps > self.steps:
             if self._step_seen_at is not None and self.steps > 0:

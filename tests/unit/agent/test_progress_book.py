@@ -35,16 +35,17 @@ def test_first_step_budget_then_a_limit_learned_from_steps(tmp_path: Path) -> No
     assert book.made_progress() is False
     assert book.silent(1020.0, limits, {0}) == {}  # a 20 s first step is no hang
     assert 0 in book.silent(1121.0, limits, {0})  # stuck before any step, past 120 s
-    for i in range(1, 20):  # steps of 1 s
-        _write(p, i, 1000.0 + i)
+    for i in range(1, 20):  # steps of 1 s (the first one 30 s after start-up: not learned)
+        _write(p, i, 1029.0 + i)
         book.update(float(i))
     rp = book.ranks[0]
     assert book.made_progress() is True and book.first_step_mono() == 1.0
     assert rp.step_time_s is not None and abs(rp.step_time_s - 1.0) < 1e-6
+    assert rp.longest_gap_s == 1.0  # (the 30 s before the first step is start-up)
     assert rp.limit_s(limits) == 10.0  # 10 x the step time, above the 3 s floor
-    assert book.silent(1019.0 + 9.0, limits, {0}) == {}
-    assert 0 in book.silent(1019.0 + 11.0, limits, {0})
-    assert book.silent(1019.0 + 11.0, limits, set()) == {}  # (only living ranks)
+    assert book.silent(1048.0 + 9.0, limits, {0}) == {}
+    assert 0 in book.silent(1048.0 + 11.0, limits, {0})
+    assert book.silent(1048.0 + 11.0, limits, set()) == {}  # (only living ranks)
     assert HangLimits.from_timeout(0) is None
 
 
