@@ -72,6 +72,7 @@ class _Progress:
         self.beats = 0
         self.last_write = 0.0
         self.write_errors = 0
+        self.ended = False
         self.stack_fh: IO[str] | None = None
 
 
@@ -160,12 +161,21 @@ def beat() -> None:
     _write(force=False)
 
 
+def end() -> None:
+    """The training is over (``destroy_process_group`` was called): what follows is
+    teardown, which the agent does not judge as a hang."""
+    if _state.fd is not None and not _state.ended:
+        _state.ended = True
+        _write(force=True)
+
+
 def _write(*, force: bool) -> None:
     now = time.monotonic()
     if not force and now - _state.last_write < WRITE_INTERVAL_S:
         return
     _state.last_write = now
-    line = f"{_state.steps} {_state.beats}".ljust(_LINE - 1) + "\n"
+    tail = " end" if _state.ended else ""
+    line = f"{_state.steps} {_state.beats}{tail}".ljust(_LINE - 1) + "\n"
     assert _state.fd is not None
     try:
         os.pwrite(_state.fd, line.encode(), 0)
@@ -181,7 +191,8 @@ def _write(*, force: bool) -> None:
 
 def read(path: str | os.PathLike[str]) -> tuple[int, int, float] | None:
     """(steps, beats, mtime) of a progress file, or None if it does not exist (yet);
-    steps -1: unknown (the hook could never write its line: a full disk)."""
+    steps -1: unknown (the hook could never write its line: a full disk); beats -1: the
+    worker ended its training (teardown follows)."""
     try:
         with open(path, "rb") as fh:
             st = os.fstat(fh.fileno())
@@ -194,6 +205,8 @@ def read(path: str | os.PathLike[str]) -> tuple[int, int, float] | None:
     try:
         steps = int(parts[0])
         beats = int(parts[1]) if len(parts) > 1 else 0
+        if len(parts) > 2 and parts[2] == b"end":
+            beats = -1
     except ValueError:
         steps, beats = 1, 0  # an older report_progress format (the step number)
     return steps, beats, st.st_mtime
@@ -206,20 +219,22 @@ def _attach(name: str, mod: ModuleType) -> None:
         if register is not None:
             register(lambda *_a: step())
     elif name == "torch.distributed.distributed_c10d":
-        for fn in ("init_process_group", *COLLECTIVES):
+        for fn in ("init_process_group", "destroy_process_group", *COLLECTIVES):
             orig = getattr(mod, fn, None)
             if callable(orig) and not getattr(orig, "_flexrun_beat", False):
-                setattr(mod, fn, _beating(orig))
+                setattr(mod, fn, _beating(orig, ends=fn == "destroy_process_group"))
         dist = sys.modules.get("torch.distributed")
         if dist is not None:  # (already imported from the module: rebind there too)
-            for fn in ("init_process_group", *COLLECTIVES):
+            for fn in ("init_process_group", "destroy_process_group", *COLLECTIVES):
                 if hasattr(dist, fn) and hasattr(mod, fn):
                     setattr(dist, fn, getattr(mod, fn))
 
 
-def _beating(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _beating(fn: Callable[..., Any], *, ends: bool = False) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if ends and not args and not kwargs.get("group"):
+            end()  # (the default group: the training's end)
         out = fn(*args, **kwargs)
         beat()
         return out

@@ -64,6 +64,8 @@ class RankProgress:
     step_time_s: float | None = None
     """Mean seconds per step (exponentially weighted)."""
     longest_gap_s: float = 0.0
+    ended: bool = False
+    """The worker said its training is over (teardown is not judged)."""
     counted: bool = True
     """Its steps can be read (False: the hook never could write them, a full disk; its
     mtime still says it is alive)."""
@@ -80,6 +82,7 @@ class RankProgress:
             return
         steps, beats, mtime = got
         self.counted = steps >= 0
+        self.ended = beats < 0
         if self.last_seen is not None and self.steps > 0 and mtime > self.last_seen:
             # (silences after the first step: start-up, imports and init are not steps)
             self.longest_gap_s = max(self.longest_gap_s, mtime - self.last_seen)
@@ -139,6 +142,6 @@ class ProgressBook:
         out = {}
         for r, rp in self.ranks.items():
             s = rp.silent_s(now)
-            if r in alive and s is not None and s > rp.limit_s(limits):
+            if r in alive and not rp.ended and s is not None and s > rp.limit_s(limits):
                 out[r] = s
         return out

@@ -47,6 +47,9 @@ def test_first_step_budget_then_a_limit_learned_from_steps(tmp_path: Path) -> No
     assert 0 in book.silent(1048.0 + 11.0, limits, {0})
     assert book.silent(1048.0 + 11.0, limits, set()) == {}  # (only living ranks)
     assert HangLimits.from_timeout(0) is None
+    p.write_text("19 3 end\n")  # destroy_process_group: teardown is not a hang
+    book.update(20.0)
+    assert book.silent(1e12, limits, {0}) == {} and book.made_progress() is True
 
 
 def test_ettr_counts_only_from_the_first_step() -> None:
