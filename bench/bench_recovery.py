@@ -23,7 +23,14 @@ Two measurements (issue 2, last acceptance bullet; anchors in ARCHITECTURE.md):
    trains and the survivors kept their pids. "dup" = (pid, step) pairs logged twice (a
    live survivor recomputing a step), "redo" = step numbers <= the last step before the
    kill completed again after it (restart mode: back to the last checkpoint).
-2. scale-up: a second node joins a running 1-node job (``--nnodes 1:2`` and ``1:3``,
+2. burst (``--burst-trials``, restart mode and torchrun, ``ddp_steps.py``, which loads its
+   checkpoint at start like the scripts in torchrun's docs): kill -9 of one worker as in
+   1., then, ``--burst-gap`` seconds (default 3) after the first step of the recovered
+   attempt, a second kill -9 of the same rank's new process; warm spares are not waited
+   for before the second kill. Recovery of each kill as in 1. (kill -> first completed
+   step by a process that did not exist before that kill). Targets (issue 20): the second
+   flexrun recovery within 1.5x its first, and the two together <= 0.3x torchrun's two.
+3. scale-up: a second node joins a running 1-node job (``--nnodes 1:2`` and ``1:3``,
    ``--nproc-per-node 1``, c10d backend on 127.0.0.1). Time = from starting the second
    agent to the first completed step of its worker. flexrun agents use a standalone
    ``flexrun store``; torchrun's first agent hosts the store. Under ``1:2`` a live-mode
@@ -299,11 +306,14 @@ class Launcher:
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 120.0
     spares: int | None = None  # flexrun --warm-spares (None: flexrun's default)
+    wait_spares: int | None = None  # ready spares to wait for before a kill (None: all)
 
     def pool(self) -> int:
         """Warm spares to wait for before the kill."""
         if self.kind == "torchrun":
             return 0
+        if self.wait_spares is not None:
+            return self.wait_spares
         if self.spares is not None:
             return self.spares
         return 4 if self.kind == "restart" else 1
@@ -483,6 +493,162 @@ def recovery_trial(
         left = procs.kill_all()
         if left:
             print(f"    WARNING: {left} process(es) survived SIGKILL cleanup", flush=True)
+
+
+# --------------------------------------------------------------------------- burst
+
+
+def burst_trial(
+    launcher: Launcher, victim_rank: int, base: Path, trial: int, a: argparse.Namespace
+) -> tuple[Outcome, Outcome]:
+    """Two kills of one rank, the second ``a.burst_gap`` s after the first recovery."""
+    slug = "".join(c if c.isalnum() else "-" for c in launcher.name)
+    d = base / f"burst-{slug}-{trial}"
+    d.mkdir(parents=True)
+    progress = d / "progress.jsonl"
+    run_dir = d / "run"
+    procs = Procs(d)
+    if launcher.kind == "torchrun":
+        cmd = TORCHRUN + ["--standalone", "--nproc-per-node", "4", "--max-restarts", "3"]
+    else:
+        cmd = FLEXRUN + ["--standalone", "--nproc-per-node", "4", "--max-restarts", "3"]
+        cmd += ["--mode", "restart", "--run-dir", str(run_dir)]
+        if launcher.spares is not None:
+            cmd += ["--warm-spares", str(launcher.spares)]
+    cmd += workload_args(d, progress, a.step_time)
+    t_start = time.monotonic()
+    deadline = t_start + launcher.timeout
+    agent = procs.start("agent", cmd, launcher.env)
+    need = launcher.pool()
+    failed = Outcome(False, note="not reached")
+    try:
+
+        def trained() -> bool:
+            ranks = {r["rank"] for r in read_progress(progress) if r["step"] >= a.warm_steps}
+            return ranks == {0, 1, 2, 3}
+
+        if not poll(
+            lambda: trained() and ready_spares(run_dir) >= need, deadline, procs, watch=agent
+        ):
+            return Outcome(False, note="never warm", detail=tail(procs.logs["agent"])), failed
+        outs: list[Outcome] = []
+        for kill in (1, 2):
+            procs.sweep()
+            rows = read_progress(progress)
+            by_rank: dict[int, int] = {}
+            for r in sorted(rows, key=lambda r: r["ts"]):
+                by_rank[r["rank"]] = r["pid"]
+            # (Not every descendant seen: a warm spare becomes a worker with its own pid.)
+            old_pids = {w.pid for w in procs.workers(agent)} | {r["pid"] for r in rows}
+            victim = by_rank[victim_rank]
+            last_step = max(r["step"] for r in rows)
+            spares = ready_spares(run_dir)
+            t_kill = time.time()
+            os.kill(victim, signal.SIGKILL)
+
+            def post_rows(t: float = t_kill, old: set[int] = old_pids) -> list[dict]:
+                return [r for r in read_progress(progress) if r["ts"] > t and r["pid"] not in old]
+
+            first = poll(post_rows, deadline, procs, watch=agent)
+            if not first:
+                rc = agent.poll()
+                note = "hung" if rc is None else f"launcher exited {rc}"
+                outs.append(Outcome(False, note=note, detail=tail(procs.logs["agent"])))
+                break
+            t_first = min(r["ts"] for r in first)
+            full = poll(
+                lambda: {r["rank"] for r in post_rows() if r["world"] == 4} == {0, 1, 2, 3},
+                deadline,
+                procs,
+                watch=agent,
+            )
+            post = post_rows()
+            redo = len({r["step"] for r in post if r["step"] <= last_step})
+            resumed = min(r["step"] for r in post)
+            outs.append(
+                Outcome(
+                    bool(full),
+                    t_first - t_kill,
+                    note=f"kill {kill} after step {last_step} ({spares} warm spare(s) ready), "
+                    f"resumed at step {resumed}, redo {redo}",
+                    redo=redo,
+                )
+            )
+            if not full:
+                break
+            # The second kill: --burst-gap s after the first recovered step.
+            time.sleep(max(0.0, t_first + a.burst_gap - time.time()))
+        while len(outs) < 2:
+            outs.append(failed)
+        return outs[0], outs[1]
+    finally:
+        left = procs.kill_all()
+        if left:
+            print(f"    WARNING: {left} process(es) survived SIGKILL cleanup", flush=True)
+
+
+def bench_burst(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
+    name = "flexrun restart (warm pool)"
+    if a.burst_spares is not None:
+        name = f"flexrun restart (--warm-spares {a.burst_spares})"
+    restart = Launcher(name, "restart", timeout=a.trial_timeout, spares=a.burst_spares)
+    if a.burst_spares is not None:
+        restart.wait_spares = a.burst_wait
+    torch_ok = Launcher(
+        "torchrun (SHARE_RDZV_TCP_STORE off)", "torchrun", dict(SHARE_OFF), timeout=a.trial_timeout
+    )
+    launchers = [restart, torch_ok]
+    rng = random.Random(a.seed + 1)
+    results: dict[str, list[tuple[Outcome, Outcome]]] = {ln.name: [] for ln in launchers}
+    print(
+        f"\n## burst: two kill -9 of one rank, the second {a.burst_gap:g}s after the first "
+        f"recovery, {a.burst_trials} trials",
+        flush=True,
+    )
+    for i in range(a.burst_trials):
+        rank = rng.randrange(4)
+        order = launchers[i % 2 :] + launchers[: i % 2]
+        print(f"  trial {i + 1}: kill rank {rank} twice", flush=True)
+        for ln in order:
+            o1, o2 = burst_trial(ln, rank, base, i, a)
+            results[ln.name].append((o1, o2))
+            report_trial(ln.name + " #1", o1, show_detail=True)
+            report_trial(ln.name + " #2", o2, show_detail=True)
+    hdr = f"{'launcher':<38} {'ok':>6}  {'1st med':>7}  {'2nd med':>7}  {'sum med':>7}  {'2nd/1st':>7}"
+    lines += [
+        f"burst: kill -9 of one of 4 workers, then of the same rank {a.burst_gap:g}s after the first",
+        "recovery (s; kill -> first completed step by a process newer than that kill; medians)",
+        hdr,
+        "-" * len(hdr),
+    ]
+    meds: dict[str, tuple[float, float, float] | None] = {}
+    for ln in launchers:
+        pairs = results[ln.name]
+        ok = [(o1.seconds, o2.seconds) for o1, o2 in pairs if o1.ok and o2.ok]
+        cnt = f"{len(ok)}/{len(pairs)}"
+        if not ok:
+            meds[ln.name] = None
+            lines.append(f"{ln.name:<38} {cnt:>6}  {'-':>7}  {'-':>7}  {'-':>7}  {'-':>7}")
+            continue
+        m1 = statistics.median(x for x, _ in ok)  # type: ignore[type-var]
+        m2 = statistics.median(y for _, y in ok)  # type: ignore[type-var]
+        ms = statistics.median(x + y for x, y in ok)  # type: ignore[operator]
+        meds[ln.name] = (m1, m2, ms)
+        lines.append(f"{ln.name:<38} {cnt:>6}  {m1:7.2f}  {m2:7.2f}  {ms:7.2f}  {m2 / m1:7.2f}")
+    f, t = meds[restart.name], meds[torch_ok.name]
+    all_ok = all(o1.ok and o2.ok for pairs in results.values() for o1, o2 in pairs)
+    if f is None or t is None:
+        lines.append("burst verdict: n/a (no successful trials on one side): FAIL")
+        return 1
+    second = f[1] <= 1.5 * f[0]
+    total = f[2] <= 0.3 * t[2]
+    ok = second and total and all_ok
+    lines.append(
+        f"burst verdict: flexrun 2nd/1st {f[1] / f[0]:.2f}x (target <= 1.5x), "
+        f"sum / torchrun's sum {f[2] / t[2]:.2f}x (target <= 0.3x), all trials ok: "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
+    return 0 if ok else 1
 
 
 # --------------------------------------------------------------------------- scale-up
@@ -778,6 +944,28 @@ def main() -> int:
     ap.add_argument(
         "--warm-steps", type=int, default=7, help="steps every rank completes before the event"
     )
+    ap.add_argument(
+        "--burst-trials", type=int, default=0, help="burst trials per launcher (default 0: none)"
+    )
+    ap.add_argument(
+        "--burst-gap",
+        type=float,
+        default=3.0,
+        help="burst: seconds from the first recovered step to the second kill (default 3)",
+    )
+    ap.add_argument(
+        "--burst-spares",
+        type=int,
+        default=None,
+        help="burst: flexrun's --warm-spares (default: flexrun's own default)",
+    )
+    ap.add_argument(
+        "--burst-wait",
+        type=int,
+        default=4,
+        help="burst with --burst-spares: ready spares the first kill waits for (default 4: one "
+        "restart's worth; the whole pool for a job that has run a while)",
+    )
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-scaleup", action="store_true")
@@ -801,6 +989,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed for the killed ranks")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
     a = ap.parse_args()
+    # A SIGTERM (`timeout`) unwinds like ^C: every trial's finally kills what it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     base = Path(tempfile.mkdtemp(prefix="flexrun-bench-"))
     t_all = time.monotonic()
@@ -821,6 +1011,8 @@ def main() -> int:
             calibrate(lines)
         if not a.skip_recovery:
             rc |= bench_recovery(a, base, lines)
+        if a.burst_trials > 0:
+            rc |= bench_burst(a, base, lines)
         if not a.skip_scaleup:
             rc |= bench_scaleup(a, base, lines)
         print("\n" + "=" * 96)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "flexrun"
 
-BASE = {"errors", "_clock", "cause", "exitcodes", "__init__"}  # (__init__: __version__)
+BASE = {"errors", "_clock", "cause", "exitcodes", "__init__", "storage_options"}
+# (__init__: __version__; storage_options: the checkpoint options env variable and the
+# no-credentials rule, shared by train, k8s and pipeline)
 
 ALLOWED: dict[str, set[str]] = {
     # The base: imported by everything, importing (almost) nothing.
@@ -26,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"errors"},
     "events": {"_clock"},
     "live_protocol": {"errors"},
+    "storage_options": {"errors"},
     "config": {"errors", "__init__"},  # (a package: settings, build, parsing, topology...)
     "_cmdutil": {"errors"},
     "_spec": {"errors"},  # the one spec-file reader of k8s and pipeline specs

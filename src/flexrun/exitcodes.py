@@ -24,6 +24,10 @@ NODE_LOST = 200
 """A fixed-size (static) job lost a node: retryable, and above every signal number so it
 is never read as one."""
 
+STORE_LOST = 201
+"""The store stayed unreachable for longer than the join timeout while no workers ran (it
+was reached before: not bad input). Retryable."""
+
 
 def for_signal(signum: int) -> int:
     """The exit code of a job stopped by ``signum``."""

@@ -26,7 +26,7 @@ from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.errors import AgentError, StoreUnavailable
 from flexrun.events import EventLog
-from flexrun.exitcodes import NO_PROGRESS, for_signal
+from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import FAILED, RUNNING
@@ -106,8 +106,9 @@ class Agent:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
         previous = self._install_signals()
         try:
-            self.rdzv.join()
-            code = self._loop()
+            code = self._join()
+            if code is None:
+                code = self._loop()
             self._finish(code)
             return code
         except _Terminated as t:
@@ -161,7 +162,8 @@ class Agent:
             try:
                 code = self._tick()
             except StoreUnavailable as exc:
-                self._on_outage(exc)
+                if self._on_outage(exc):
+                    return STORE_LOST
                 continue
             if self._outage_since is not None:
                 down = self.clock.monotonic() - self._outage_since
@@ -331,9 +333,22 @@ class Agent:
         self.uptime.stop(productive=productive)
 
     # -- store outages ----------------------------------------------------------------------
-    def _on_outage(self, exc: StoreUnavailable) -> None:
+    def _join(self) -> int | None:
+        """Announce this node, waiting out a store outage (a store restarted while this
+        agent starts): None once joined, STORE_LOST after a join timeout without it."""
+        while True:
+            try:
+                self.rdzv.join()
+            except StoreUnavailable as exc:
+                if self._on_outage(exc):
+                    return STORE_LOST
+                continue
+            return None
+
+    def _on_outage(self, exc: StoreUnavailable) -> bool:
         """The store is unreachable: keep the workers (their process group is formed),
-        retry with backoff, and only give up when no workers run for a join timeout."""
+        retry with backoff, and only give up (True) when no workers ran for a join
+        timeout (a store that was reached and went away is not bad input: no exit 2)."""
         now = self.clock.monotonic()
         running = self.runner.active
         if self._outage_since is None:
@@ -347,9 +362,18 @@ class Agent:
                 )
             self.events.emit("store_unavailable", error=str(exc), workers_running=running)
         elif not running and now - self._outage_since > self.config.rendezvous.join_timeout_s:
-            raise exc
+            log.error(
+                "the store stayed unreachable for %.0fs with no workers running: giving up (%s)",
+                now - self._outage_since,
+                exc,
+            )
+            self.events.emit(
+                "store_lost", error=str(exc), down_s=round(now - self._outage_since, 3)
+            )
+            return True
         self._outage_tries += 1
         self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))
+        return False
 
 
 def _window(window_s: float) -> str:

@@ -19,8 +19,7 @@ from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler
 from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
-from flexrun.store.factory import connect
-from flexrun.store.tcp import TcpStore
+from flexrun.store.factory import connect, tcp_address
 
 log = logging.getLogger("flexrun.agent")
 
@@ -73,7 +72,8 @@ def build_agent(
     )
     runner: Runner
     if config.mode == "live":
-        if not isinstance(store, TcpStore):
+        addr = tcp_address(store)  # (signed or not: live workers sign with the job secret)
+        if addr is None:
             raise ConfigError("--mode live needs the tcp store")
         # Imported here: live mode's agent side is light, but keep restart mode's minimal.
         from flexrun.agent.live import LiveRunner
@@ -82,7 +82,7 @@ def build_agent(
             config,
             node_id=me.node_id,
             store=store,
-            store_addr=(store.host, store.port),
+            store_addr=addr,
             events=events,
             pool=live_spares,
         )

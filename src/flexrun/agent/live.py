@@ -27,7 +27,7 @@ from flexrun.agent.policy import LiveFailed, LiveFinished
 from flexrun.agent.runner import LoopProgress, RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.cause import FailureCause
-from flexrun.config import RunConfig
+from flexrun.config import SECRET_ENV, SECRET_ENV_FILE, RunConfig
 from flexrun.events import EventLog
 from flexrun.live_protocol import EpochRecord, heartbeat_age, holds_state, worker_env
 from flexrun.proc import (
@@ -44,6 +44,7 @@ from flexrun.proc import (
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
+from flexrun.store.signed import write_secret_file
 
 log = logging.getLogger("flexrun.agent")
 
@@ -92,12 +93,21 @@ class LiveRunner(LoopProgress):
         """This node's first workers boot (Python, torch) as spares while the agent meets
         the others (the launcher fills it before connecting to the store)."""
         self._seq = 0
+        self._failures: list[FailureCause] = []
+        self._dead: list[int] = []
+        """Failures seen and slots emptied, not yet reported and refilled (the store was
+        unreachable when they were found)."""
         self._tee_done = threading.Event()
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / node_id
+        self._secret_file = (
+            write_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
+            if config.store.secret is not None
+            else None
+        )
 
     @property
     def active(self) -> bool:
@@ -155,34 +165,16 @@ class LiveRunner(LoopProgress):
 
     def _env(self, slot: int, worker_id: str, heartbeat: Path) -> dict[str, str]:
         assert self.round is not None
-        c = self.config
-        env = worker_envs(
-            base=c.environ,
-            rnd=self.round,
+        return live_worker_env(
+            self.config,
+            self.round,
             node_id=self.node,
-            nproc=c.nproc_per_node,
-            master=MasterRecord(c.local_addr, 0),
-            role=c.role,
-            run_id=c.run_id,
-            run_dir=c.run_dir,
-            restart_count=0,
-            max_restarts=c.rendezvous.max_restarts,
-            settings=c,
-        )[slot]
-        # Live workers form their own groups per epoch: no default process group address.
-        # Their bounded store waits time out routinely; c10d would warn about each one.
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        env.pop("MASTER_ADDR", None)
-        env.pop("MASTER_PORT", None)
-        env.update(
-            worker_env(
-                store=self.store_addr,
-                worker_id=worker_id,
-                heartbeat=heartbeat,
-                heartbeat_interval_s=min(0.5, c.rendezvous.heartbeat_interval_s),
-            )
+            slot=slot,
+            worker_id=worker_id,
+            heartbeat=heartbeat,
+            store_addr=self.store_addr,
+            secret_file=self._secret_file,
         )
-        return env
 
     def _fill(
         self, slot: int, *, include_now: bool, boot_wait_s: float = 0.0, joining: bool = False
@@ -236,9 +228,13 @@ class LiveRunner(LoopProgress):
 
     # -- monitoring --------------------------------------------------------------------------
     def poll(self) -> LiveFailed | LiveFinished | None:
-        """Check workers; replace the dead; publish changes."""
-        failures: list[FailureCause] = []
-        dead: list[int] = []
+        """Check workers; replace the dead; publish changes.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached. The dead are replaced and
+                reported by the first poll that reaches it (membership changes wait).
+        """
+        failures, dead = self._failures, self._dead
         now = self.clock.wall()
         for slot, lw in sorted(self.slots.items()):
             if lw.finished:
@@ -276,13 +272,15 @@ class LiveRunner(LoopProgress):
             lost = self._state_lost(epoch)
             if lost is not None:
                 self._fall_back(lost)
-            for slot in dead:
-                self._fill(slot, include_now=lost is not None)
+            while dead:
+                self._fill(dead.pop(0), include_now=lost is not None)
+        dead.clear()
         if self.slots and all(lw.finished for lw in self.slots.values()):
             return LiveFinished()
         if self.round is not None:
             self.epochs.publish(self.round, self._included())
         if failures:
+            self._failures = []
             return LiveFailed(tuple(failures), epoch.number if epoch is not None else 0)
         return None
 
@@ -362,7 +360,58 @@ class LiveRunner(LoopProgress):
                 t.join(timeout=2)
         self._tee_done = threading.Event()
         self.slots.clear()
+        self._failures, self._dead = [], []
         self.epochs.forget()
 
     def close(self) -> None:
         self.stop(0)
+        if self._secret_file is not None:
+            self._secret_file.unlink(missing_ok=True)
+
+
+def live_worker_env(
+    c: RunConfig,
+    rnd: RoundRecord,
+    *,
+    node_id: str,
+    slot: int,
+    worker_id: str,
+    heartbeat: Path,
+    store_addr: tuple[str, int],
+    secret_file: Path | None,
+) -> dict[str, str]:
+    """The environment of the live worker ``worker_id`` in local slot ``slot``."""
+    env = worker_envs(
+        base=c.environ,
+        rnd=rnd,
+        node_id=node_id,
+        nproc=c.nproc_per_node,
+        master=MasterRecord(c.local_addr, 0),
+        role=c.role,
+        run_id=c.run_id,
+        run_dir=c.run_dir,
+        restart_count=0,
+        max_restarts=c.rendezvous.max_restarts,
+        settings=c,
+    )[slot]
+    # Live workers form their own groups per epoch: no default process group address.
+    # Their bounded store waits time out routinely; c10d would warn about each one.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    # Workers sign and verify the live records with the job secret, given as a file
+    # (never a variable's value: /proc/<pid>/environ, crash reports).
+    env.pop(SECRET_ENV, None)
+    if secret_file is not None:
+        env[SECRET_ENV_FILE] = str(secret_file)
+    else:
+        env.pop(SECRET_ENV_FILE, None)
+    env.update(
+        worker_env(
+            store=store_addr,
+            worker_id=worker_id,
+            heartbeat=heartbeat,
+            heartbeat_interval_s=min(0.5, c.rendezvous.heartbeat_interval_s),
+        )
+    )
+    return env

@@ -5,6 +5,11 @@ Owns every store access of an agent in live mode, through the records of
 publishing the next membership epoch (by compare-and-set: every agent computes the same
 list, the first writer wins) and telling whether any living worker can still hold the
 current epoch's state. The processes themselves are :mod:`flexrun.agent.live`'s.
+
+A restarted store has lost these records. Each node notices its own record missing and
+writes it again; once every node of the round has, the epoch is published again, numbered
+above the newest one this node saw (so no worker mistakes it for an old one, and members
+whose agreement the restart interrupted move on to it), together with ``formed``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class EpochPublisher:
         self.node_id = node_id
         self.events = events
         self._published: tuple[int, tuple[str, ...]] | None = None
+        self._known: EpochRecord | None = None
+        """The newest epoch this node has seen (survives a store restart)."""
+        self._formed_seen = False
 
     def forget(self) -> None:
         """Publish again at the next call (after this node's workers were stopped)."""
@@ -40,11 +48,19 @@ class EpochPublisher:
         Raises:
             StoreUnavailable: the store cannot be reached.
         """
-        return _decode(self.store.get(self.keys.epoch))
+        rec = self._note(_decode(self.store.get(self.keys.epoch)))
+        return rec if rec is not None else self._known
 
     def formed(self) -> bool:
         """Some epoch of this job has trained (a worker once held state)."""
-        return self.store.get(self.keys.formed) is not None
+        if not self._formed_seen:
+            self._formed_seen = self.store.get(self.keys.formed) is not None
+        return self._formed_seen
+
+    def _note(self, rec: EpochRecord | None) -> EpochRecord | None:
+        if rec is not None and (self._known is None or rec.number >= self._known.number):
+            self._known = rec
+        return rec
 
     def _node_workers(self) -> dict[str, tuple[str, ...]]:
         out = {}
@@ -72,19 +88,28 @@ class EpochPublisher:
             StoreUnavailable: the store cannot be reached.
         """
         own = (rnd.number, tuple(mine))
-        if self._published != own:
+        records = self._node_workers()
+        if self._published != own or records.get(self.node_id) != own[1]:
+            # (Missing although published: the store restarted and lost it.)
             self.store.put(self.keys.node(self.node_id), NodeWorkers(*own).encode())
             self._published = own
-        records = self._node_workers()
+            records[self.node_id] = own[1]
         members = [w for m in rnd.members for w in records.get(m.node_id, ())]
         entry = self.store.get(self.keys.epoch)
-        rec = next_epoch(_decode(entry), members)
+        current = self._note(_decode(entry))
+        if current is None and self._known is not None:
+            rec = self._restored(rnd, records, members)
+        else:
+            rec = next_epoch(current, members)
+            if not self._formed_seen and current is not None:
+                self.formed()
         if rec is None:
             return
         ok, _ = self.store.compare_and_set(
             self.keys.epoch, rec.encode(), expected_revision=entry.revision if entry else 0
         )
         if ok:
+            self._note(rec)
             self.events.emit(
                 "live_epoch",
                 epoch=rec.number,
@@ -98,6 +123,26 @@ class EpochPublisher:
                 len(rec.members),
                 " (abort)" if rec.abort else "",
             )
+
+    def _restored(
+        self, rnd: RoundRecord, records: dict[str, tuple[str, ...]], members: list[str]
+    ) -> EpochRecord | None:
+        """The epoch to publish on a store that lost it (None: wait until every node of
+        the round has written its record again, or a new round leaves a lost node out)."""
+        known = self._known
+        assert known is not None
+        if any(m.node_id not in records for m in rnd.members) or not members:
+            return None
+        if self._formed_seen:
+            self.store.put(self.keys.formed, str(known.number).encode())
+        rec = next_epoch(known, members) or EpochRecord(known.number + 1, known.members, False)
+        log.warning(
+            "the store lost the live epoch (restarted?): publishing epoch %d again as %d",
+            known.number,
+            rec.number,
+        )
+        self.events.emit("live_epoch_restored", epoch=rec.number, previous=known.number)
+        return rec
 
 
 def _decode(entry: Entry | None) -> EpochRecord | None:

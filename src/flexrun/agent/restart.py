@@ -39,7 +39,8 @@ came from spares have no such start-up: the pool is refilled at once after them 
 a round that fails within the delay, as under a stream of faults, waits a whole spare boot
 for its replacement; ~1.8 s on this machine, seen in the long chaos run)."""
 SPARE_BOOT_WAIT_S = 10.0
-"""A spare still importing torch will be ready before a process started now: wait this long."""
+"""A spare still importing torch will be ready before a process started now: wait this long
+(in all, for the round's ranks together)."""
 
 
 class RestartRunner:
@@ -69,6 +70,7 @@ class RestartRunner:
         self._cold_workers = 0  # workers of the current round not taken from the warm pool
         self.progress = ProgressBook()
         self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
+        self._warm_until = 0.0
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
         )
@@ -105,6 +107,9 @@ class RestartRunner:
         )
         log_dir = (c.log_dir or (c.run_dir / "logs")) / f"round_{rnd.number}"
         self._cold_workers = 0
+        # One wait for booting spares per round, shared by its ranks (not one per rank: a
+        # burst of failures on a loaded node found every spare booting and waited 4 x).
+        self._warm_until = self.clock.monotonic() + SPARE_BOOT_WAIT_S
         paths = {}
         for env in envs:
             wdir = log_dir / f"rank_{env['RANK']}"
@@ -148,7 +153,7 @@ class RestartRunner:
     ) -> Worker | None:
         """A warm spare for ``rank``, or None (then the worker is started fresh)."""
         assert self.pool is not None
-        w = self.pool.take(wait_s=SPARE_BOOT_WAIT_S)
+        w = self.pool.take(wait_s=max(0.0, self._warm_until - self.clock.monotonic()))
         if w is None:
             self._cold_workers += 1
             return None

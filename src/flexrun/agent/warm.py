@@ -16,7 +16,14 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
     if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
         return None
     log_root = config.log_dir or (config.run_dir / "logs")
-    return WarmPool(config.warm_spares, config.environ, log_root / "spares", node=config.spares_dir)
+    return WarmPool(
+        config.warm_spares,
+        config.environ,
+        log_root / "spares",
+        node=config.spares_dir,
+        # (A restart needs a spare per local worker: beyond that, refill in batches.)
+        max_booting=config.nproc_per_node,
+    )
 
 
 def live_pool(config: RunConfig) -> WarmPool | None:

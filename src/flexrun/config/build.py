@@ -221,15 +221,10 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     log_dir = Path(a["log_dir"]).absolute() if a.get("log_dir") else None
     if log_dir is not None:
         check_dir_arg(log_dir, "--log-dir")
-    if bool(a.get("standalone")) and secret is None and mode != "live":
+    if bool(a.get("standalone")) and secret is None:
+        # (Live workers sign too: the agent gives them the secret as a file,
+        # FLEXRUN_JOB_SECRET_FILE, read by flexrun.store.factory.connect_from_env.)
         store = replace(store, secret=generated_secret())
-    if mode == "live" and secret is not None:
-        # Live workers open the store themselves (flexrun.train.live_group) and do not sign
-        # yet: store.factory.connect_from_env is their signing client, to be wired in.
-        raise ConfigError(
-            "--mode live with a job secret: live workers cannot authenticate store records "
-            "yet; run restart mode, or live mode without FLEXRUN_JOB_SECRET_FILE/secret_file"
-        )
     spares_raw = a["warm_spares"]
     spares = (
         _int(spares_raw, "--warm-spares")

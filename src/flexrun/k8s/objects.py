@@ -375,7 +375,7 @@ def network_policies(spec: JobSpec) -> list[Manifest]:
 
 def checkpoint_pvc(spec: JobSpec) -> list[Manifest]:
     ckpt = spec.checkpoint
-    if ckpt is None or ckpt.existing_claim is not None:
+    if ckpt is None or not ckpt.has_volume or ckpt.existing_claim is not None:
         return []
     pvc_spec: dict[str, Any] = {
         "accessModes": [ckpt.access_mode],

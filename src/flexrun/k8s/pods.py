@@ -12,17 +12,20 @@ The contract a rendered pod relies on (the README lists it too):
 - ``flexrun run ... --local-addr $(POD_IP) --stop-grace <grace - 10>``, plus
   ``--metrics-port P --metrics-host 0.0.0.0`` only when ``spec.metrics.port`` is set;
 - env ``POD_IP`` (downward API), ``FLEXRUN_JOB_SECRET_FILE=/var/run/flexrun/secret/secret``,
-  ``FLEXRUN_CHECKPOINT_DIR`` (with a checkpoint volume) and the spec's ``env``;
+  ``FLEXRUN_CHECKPOINT_DIR`` (the volume's mount path, or a ``checkpoint.url``),
+  ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS`` (compact JSON, sorted keys; only with
+  ``checkpoint.storageOptions``), the spec's ``env`` and ``envFrom`` (by reference);
 - mounts: the job Secret at ``/var/run/flexrun/secret`` and (etcd) the etcd Secret at
   ``/var/run/flexrun/etcd``, read-only, mode 0440, group = the pod's ``fsGroup`` (so a
-  non-root user can read them); the checkpoint PVC; ``/dev/shm``.
+  non-root user can read them); the checkpoint PVC (none for a ``url``); ``/dev/shm``;
+- ``serviceAccountName`` when the spec names one (an object store's pod identity).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, labels
+from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, fresh, labels
 from flexrun.k8s.spec import JobSpec
 from flexrun.k8s.spec_types import (
     ETCD_SECRET_DIR,
@@ -30,6 +33,7 @@ from flexrun.k8s.spec_types import (
     JOB_SECRET_FILE,
     JOB_SECRET_KEY,
 )
+from flexrun.storage_options import CHECKPOINT_DIR_ENV, STORAGE_OPTIONS_ENV, storage_options_json
 
 #: Seconds of the pod's grace period kept back for the agent itself to exit after workers.
 AGENT_EXIT_MARGIN_S = 10
@@ -84,19 +88,26 @@ def worker_container(
     env: list[dict[str, Any]] = [POD_IP_ENV]
     env += [{"name": k, "value": v} for k, v in spec.env]
     env.append({"name": "FLEXRUN_JOB_SECRET_FILE", "value": JOB_SECRET_FILE})
-    if spec.checkpoint is not None:
-        env.append({"name": "FLEXRUN_CHECKPOINT_DIR", "value": spec.checkpoint.mount_path})
+    ckpt = spec.checkpoint
+    if ckpt is not None:
+        env.append({"name": CHECKPOINT_DIR_ENV, "value": ckpt.location})
+        if ckpt.storage_options:
+            env.append(
+                {"name": STORAGE_OPTIONS_ENV, "value": storage_options_json(ckpt.storage_options)}
+            )
     container: dict[str, Any] = {"name": name, "image": spec.image, "command": command}
     if args is not None:
         container["args"] = args
     container["env"] = env
+    if spec.env_from:
+        container["envFrom"] = [fresh(dict(source)) for source in spec.env_from]
     if with_resources and (res := resources(spec)):
         container["resources"] = res
     if spec.metrics_port is not None:
         container["ports"] = [{"name": "metrics", "containerPort": spec.metrics_port}]
     mounts: list[dict[str, Any]] = []
-    if spec.checkpoint is not None:
-        mounts.append({"name": "checkpoints", "mountPath": spec.checkpoint.mount_path})
+    if ckpt is not None and ckpt.has_volume:
+        mounts.append({"name": "checkpoints", "mountPath": ckpt.mount_path})
     if spec.shm_size is not None:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     mounts.append({"name": "job-secret", "mountPath": JOB_SECRET_DIR, "readOnly": True})
@@ -125,7 +136,7 @@ def _tolerations(spec: JobSpec) -> list[dict[str, Any]]:
 
 def _volumes(spec: JobSpec) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = []
-    if spec.checkpoint is not None:
+    if spec.checkpoint is not None and spec.checkpoint.has_volume:
         claim = spec.checkpoint.existing_claim or f"{spec.name}-checkpoints"
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}})
     if spec.shm_size is not None:
@@ -159,6 +170,8 @@ def worker_pod_spec(
     # fsGroup makes the Secret files readable by any user the image runs as; the policy
     # avoids a recursive chown of a large checkpoint volume at every start.
     pod["securityContext"] = {"fsGroup": POD_FS_GROUP, "fsGroupChangePolicy": "OnRootMismatch"}
+    if spec.service_account is not None:
+        pod["serviceAccountName"] = spec.service_account
     pod["containers"] = [container]
     if spec.spot.node_selector:
         pod["nodeSelector"] = dict(spec.spot.node_selector)

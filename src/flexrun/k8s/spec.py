@@ -23,6 +23,14 @@ The file format::
       replicas: 8                 # pods created at first (TrainJob: numNodes; default: max)
       resources: {cpu: "30", memory: 200Gi, gpu: 8}
       checkpoint: {mountPath: /checkpoints, size: 500Gi, storageClass: nfs}
+      # or an object store (no PVC; FLEXRUN_CHECKPOINT_DIR is the URL, the options go to
+      # FLEXRUN_CHECKPOINT_STORAGE_OPTIONS as JSON; never a credential in either):
+      # checkpoint:
+      #   url: s3://ml-checkpoints/resnet
+      #   storageOptions: {endpoint_url: "http://minio.storage:9000",
+      #                    client_kwargs: {region_name: eu-west-1}}
+      serviceAccountName: resnet-train   # the pods' identity (IRSA / workload identity)
+      envFrom: [{secretRef: {name: s3-credentials}}]   # AWS_* etc. from a Secret, by name
       store: {type: tcp}          # tcp | etcd (TLS; existingSecret: certs from a Secret)
       jobSecret: {existingSecret: my-secret}     # default: render <name>-secret, no data
       networkPolicy: true         # only the job's pods reach the store / etcd
@@ -39,6 +47,7 @@ The file format::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +88,19 @@ from flexrun.k8s.spec_types import (
 from flexrun.k8s.spec_types import DNS1035 as _DNS1035
 from flexrun.k8s.spec_types import DNS1123 as _DNS1123
 
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_ENV_FROM_KINDS = ("secretRef", "configMapRef")
+#: Credential variables an object store reads: only ever by reference (``spec.envFrom``).
+_CREDENTIAL_ENV = frozenset(
+    {
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AZURE_STORAGE_KEY",
+        "AZURE_STORAGE_SAS_TOKEN",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_CLIENT_SECRET",
+    }
+)
 _SECRET_CONF = frozenset({"secret", "password", "token"})
 _ETCD_TLS_CONF = frozenset({"cacert", "cert", "key", "tls"})
 #: JobSet names a trainer pod ``<trainjob>-node-0-<index>-<5 random>``; it must fit 63.
@@ -131,6 +153,13 @@ class JobSpec:
     """Extra rendezvous settings (``--rdzv-conf``; v1: ``elasticPolicy.rdzvConf``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment for the worker container."""
+    env_from: tuple[Mapping[str, Any], ...] = ()
+    """``envFrom`` sources of the worker container (``{secretRef: {name}}`` or
+    ``{configMapRef: {name}}``, optional ``prefix``): credentials by reference, so no
+    secret value is ever in a manifest."""
+    service_account: str | None = None
+    """``serviceAccountName`` of the worker pods: the identity an object-store checkpoint
+    authenticates with (IRSA, GKE workload identity)."""
     hpa_metrics: tuple[Mapping[str, Any], ...] = ()
     """autoscaling/v2 MetricSpecs; when set the v1 operator creates an HPA for the Workers."""
     shm_size: str | None = "2Gi"
@@ -175,8 +204,15 @@ class JobSpec:
         self._check_rdzv_conf()
         if self.shm_size is not None:
             check_quantity("spec.shmSize", self.shm_size)
+        if self.service_account is not None and (
+            len(self.service_account) > 253 or not _DNS1123_SUBDOMAIN.match(self.service_account)
+        ):
+            raise fail(
+                "spec.serviceAccountName", f"{self.service_account!r} is not a valid name"
+            )
         if (
             self.checkpoint is not None
+            and self.checkpoint.has_volume
             and self.checkpoint.existing_claim is None
             and self.checkpoint.access_mode in ("ReadWriteOnce", "ReadWriteOncePod")
             and self.nnodes.max > 1
@@ -201,6 +237,13 @@ class JobSpec:
                 raise fail(f"spec.env.{key}", "is not a valid environment variable name")
             if key in RENDER_ENV:
                 raise fail(f"spec.env.{key}", "is set by flexrun k8s render; remove it")
+            if key in _CREDENTIAL_ENV:
+                raise fail(
+                    f"spec.env.{key}",
+                    "a credential does not belong in a manifest; take it from a Secret "
+                    "(spec.envFrom: [{secretRef: {name: ...}}]) or the pod's identity "
+                    "(spec.serviceAccountName)",
+                )
             if key in OPERATOR_ENV:
                 raise fail(
                     f"spec.env.{key}",
@@ -280,6 +323,29 @@ def _parse_nnodes(value: object) -> NodeRange:
             lo, hi = int(parts[0]), int(parts[-1])
             return NodeRange(min=lo, max=hi)
     raise fail("spec.nnodes", f"must be N or MIN:MAX (got {value!r})")
+
+
+def _parse_env_from(s: SpecReader) -> tuple[Mapping[str, Any], ...]:
+    out: list[Mapping[str, Any]] = []
+    for i, item in enumerate(s.list_("envFrom")):
+        r = SpecReader(item, f"spec.envFrom[{i}]")
+        kinds = [k for k in _ENV_FROM_KINDS if r.has(k)]
+        if len(kinds) != 1:
+            raise fail(r.path, "set exactly one of secretRef and configMapRef")
+        ref = r.sub(kinds[0])
+        assert ref is not None
+        name = ref.req_str("name")
+        if len(name) > 253 or not _DNS1123_SUBDOMAIN.match(name):
+            raise fail(ref.at("name"), f"{name!r} is not a valid name")
+        ref.done()
+        source: dict[str, Any] = {kinds[0]: {"name": name}}
+        if (prefix := r.str_("prefix")) is not None:
+            if not ENV_NAME.match(prefix):
+                raise fail(r.at("prefix"), f"{prefix!r} is not a valid variable name prefix")
+            source["prefix"] = prefix
+        r.done()
+        out.append(source)
+    return tuple(out)
 
 
 def _override(in_file: str, from_cli: str | None) -> str:
@@ -368,6 +434,8 @@ def parse_job_spec(
         backoff_limit=s.int_("backoffLimit"),
         rdzv_conf=s.str_map("rdzvConf"),
         env=s.str_map("env"),
+        env_from=_parse_env_from(s),
+        service_account=s.str_("serviceAccountName"),
         hpa_metrics=parse_hpa(s),
         shm_size=None if shm is None else str(shm),
     )

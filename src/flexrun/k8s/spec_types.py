@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flexrun._spec import SpecReader, fail
 from flexrun.errors import SpecError
+from flexrun.storage_options import (
+    CHECKPOINT_DIR_ENV,
+    STORAGE_OPTIONS_ENV,
+    check_url,
+    spec_storage_options,
+)
 
 API_VERSION = "flexrun.dev/v1alpha1"
 KIND = "TrainingJob"
@@ -66,7 +72,8 @@ ETCD_SECRET_KEYS = ("ca.crt", "tls.crt", "tls.key")
 RENDER_ENV = frozenset(
     {
         "POD_IP",
-        "FLEXRUN_CHECKPOINT_DIR",
+        CHECKPOINT_DIR_ENV,
+        STORAGE_OPTIONS_ENV,
         "FLEXRUN_JOB_SECRET",
         "FLEXRUN_JOB_SECRET_FILE",
         "FLEXRUN_ETCD_PASSWORD",
@@ -142,9 +149,30 @@ class Resources:
             raise fail("spec.resources.gpu", f"must be >= 0 (got {self.gpu})")
 
 
+#: The ``spec.checkpoint`` fields of a PVC; a ``url`` checkpoint has none of them.
+_VOLUME_FIELDS = ("mountPath", "existingClaim", "size", "storageClass", "accessMode")
+
+
+POD_LOCAL_PROTOCOLS = frozenset(
+    {"file", "local", "memory", "simplecache", "filecache", "blockcache"}
+)
+"""fsspec protocols whose data stays in the pod (a checkpoint there dies with it)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointVolume:
-    """Where checkpoints live: a PVC mounted into every Worker pod."""
+    """Where checkpoints live: a PVC mounted into every Worker pod, or (``url``) an object
+    store every worker reaches itself (no volume)."""
+
+    url: str | None = None
+    """An fsspec URL (``s3://bucket/prefix``, ``gs://...``) exported as
+    ``FLEXRUN_CHECKPOINT_DIR`` instead of a mount path; no PVC is rendered or mounted.
+    Credentials come from the pod (workload identity / IRSA through
+    ``spec.serviceAccountName``, or ``AWS_*`` variables from a Secret through
+    ``spec.envFrom``), never from the URL."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec ``storage_options`` (endpoint, region, profile ...; no credential), exported
+    as compact JSON in ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS``; only with ``url``."""
 
     mount_path: str = "/checkpoints"
     """Mount point in the worker container; exported as ``FLEXRUN_CHECKPOINT_DIR``."""
@@ -158,6 +186,11 @@ class CheckpointVolume:
     """Access mode of the created PVC; several nodes write, so ReadWriteMany."""
 
     def __post_init__(self) -> None:
+        if self.url is not None:
+            self._check_url()
+            return
+        if self.storage_options:
+            raise fail("spec.checkpoint.storageOptions", "only with url (an object store)")
         if not self.mount_path.startswith("/"):
             raise fail("spec.checkpoint.mountPath", f"must be absolute (got {self.mount_path!r})")
         if self.mount_path.rstrip("/").startswith("/var/run/flexrun"):
@@ -181,6 +214,37 @@ class CheckpointVolume:
                 "spec.checkpoint.accessMode",
                 f"{self.access_mode!r} not one of {', '.join(ACCESS_MODES)}",
             )
+
+    def _check_url(self) -> None:
+        assert self.url is not None
+        check_url(self.url, "spec.checkpoint.url", error=SpecError)
+        protocol = self.url.rsplit("::", 1)[-1].split("://", 1)[0].lower()
+        if protocol in POD_LOCAL_PROTOCOLS:
+            raise fail(
+                "spec.checkpoint.url",
+                f"{protocol}:// lives inside the pod and is lost with it; use an object store "
+                "(s3://, gs://, az:// ...) or a volume (size/existingClaim instead of url)",
+            )
+        for key, value in (
+            ("existingClaim", self.existing_claim),
+            ("size", self.size),
+            ("storageClass", self.storage_class),
+        ):
+            if value is not None:
+                raise fail(f"spec.checkpoint.{key}", "contradicts url (no volume is rendered)")
+        spec_storage_options(
+            self.storage_options, "spec.checkpoint.storageOptions", error=SpecError
+        )
+
+    @property
+    def location(self) -> str:
+        """What workers get in ``FLEXRUN_CHECKPOINT_DIR``: the URL or the mount path."""
+        return self.url if self.url is not None else self.mount_path
+
+    @property
+    def has_volume(self) -> bool:
+        """A PVC is mounted (no ``url``)."""
+        return self.url is None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -313,6 +377,22 @@ def parse_checkpoint(s: SpecReader) -> CheckpointVolume | None:
     cr = s.sub("checkpoint")
     if cr is None:
         return None
+    url = cr.str_("url")
+    if url is not None:
+        for key in _VOLUME_FIELDS:
+            if cr.has(key):
+                raise fail(cr.at(key), "contradicts url: an object-store checkpoint has no volume")
+        options = cr.raw("storageOptions")
+        checkpoint = CheckpointVolume(
+            url=url,
+            storage_options=spec_storage_options(
+                {} if options is None else options, cr.at("storageOptions"), error=SpecError
+            ),
+        )
+        cr.done()
+        return checkpoint
+    if cr.has("storageOptions"):
+        raise fail(cr.at("storageOptions"), "only with url (an object store)")
     checkpoint = CheckpointVolume(
         mount_path=cr.str_("mountPath", "/checkpoints"),
         existing_claim=cr.str_("existingClaim"),

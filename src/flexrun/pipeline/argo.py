@@ -10,7 +10,10 @@ Cluster semantics, chosen to match the elastic job:
 - Every step mounts one ReadWriteMany PVC (``argo.artifacts.claimName``) at
   ``argo.artifacts.mountPath`` and works there: ``{run_dir}`` is that path, so stage
   outputs are the next stage's inputs, and the PyTorchJob's checkpoint volume is the same
-  claim (a resumed job finds its checkpoints).
+  claim (a resumed job finds its checkpoints). A train stage with ``checkpointUrl`` gets
+  the job spec's ``checkpoint.url`` / ``storageOptions`` instead (checkpoints in the object
+  store, no checkpoint volume) and the artifacts claim is mounted into its workers as a
+  plain volume, so relative paths still mean the artifacts, as locally.
 - The train step succeeds when any Worker succeeded (``replicaStatuses.Worker.succeeded``):
   an elastic agent exits 0 only once the whole job finished (torchrun semantics; the
   Kubeflow operator marks elastic jobs Succeeded the same way). It fails only when the
@@ -137,15 +140,33 @@ def train_job_spec(pipeline: Pipeline, stage: Stage) -> Manifest:
         "nnodes": train.nnodes,
         "nprocPerNode": train.nproc_per_node,
         "maxRestarts": train.max_restarts,
-        "checkpoint": {
-            "existingClaim": claim_name(pipeline),
-            "mountPath": pipeline.argo.mount_path,
-        },
+        "checkpoint": _checkpoint(pipeline, stage),
     }
     if env:
         spec["env"] = env
     spec.update(extra)
     return {"apiVersion": JOB_API, "kind": JOB_KIND, "metadata": metadata, "spec": spec}
+
+
+def _checkpoint(pipeline: Pipeline, stage: Stage) -> Manifest:
+    train = stage.train
+    assert train is not None
+    if train.checkpoint_url is None:
+        return {"existingClaim": claim_name(pipeline), "mountPath": pipeline.argo.mount_path}
+    out: Manifest = {"url": train.checkpoint_url}
+    if train.storage_options:
+        out["storageOptions"] = dict(train.storage_options)
+    return out
+
+
+def _mount_artifacts(pipeline: Pipeline, pod: Manifest, container: Manifest) -> None:
+    """A url checkpoint leaves the workers without the artifacts claim: mount it."""
+    pod.setdefault("volumes", []).append(
+        {"name": ARTIFACTS_VOLUME, "persistentVolumeClaim": {"claimName": claim_name(pipeline)}}
+    )
+    container.setdefault("volumeMounts", []).append(
+        {"name": ARTIFACTS_VOLUME, "mountPath": pipeline.argo.mount_path}
+    )
 
 
 def render_train_manifests(pipeline: Pipeline, stage: Stage) -> list[Manifest]:
@@ -170,6 +191,8 @@ def render_train_manifests(pipeline: Pipeline, stage: Stage) -> list[Manifest]:
                 if c["name"] == CONTAINER_NAME:
                     # Relative paths in the args mean the shared artifacts volume, as locally.
                     c["workingDir"] = pipeline.argo.mount_path
+                    if stage.train is not None and stage.train.checkpoint_url is not None:
+                        _mount_artifacts(pipeline, pod, c)
     from flexrun.k8s.validate import validate_documents
 
     # Never emit a workflow whose job the operator would reject (structural checks only:

@@ -10,6 +10,10 @@ incomplete stage. Each attempt runs as a process session (``attempt``: console a
 streaming, timeouts, stopping the whole tree). The train stage runs ``flexrun run
 --standalone``; its checkpoint directory survives a resume and is removed (through
 ``paths.remove_below``, never outside the run directory) when the stage's key changes.
+That stale-checkpoint wipe is for ``checkpointDir`` only: a ``checkpointUrl`` is handed to
+the stage as ``FLEXRUN_CHECKPOINT_DIR`` (its ``storageOptions`` as JSON in
+``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS``) and the runner never removes anything under it
+(an object store's lifecycle is its owner's; the URL is part of the stage's key).
 
 Exit status of :meth:`Runner.run`: 0 all stages succeeded; 1 a stage failed; 128+N when
 stopped by signal N.
@@ -34,10 +38,22 @@ from flexrun.errors import ConfigError, SpecError
 from flexrun.pipeline import _proc
 from flexrun.pipeline.attempt import Attempts, Console
 from flexrun.pipeline.paths import remove_below, resolve_below
-from flexrun.pipeline.spec import Pipeline, Stage, substitute
+from flexrun.pipeline.spec import Pipeline, Stage, TrainSpec, substitute
 from flexrun.pipeline.state import StateFile, hash_path, stage_key, summarize
+from flexrun.storage_options import CHECKPOINT_DIR_ENV, STORAGE_OPTIONS_ENV, storage_options_json
 
 LOCK_FILE = ".pipeline.lock"
+
+
+def checkpoint_env(train: TrainSpec | None) -> dict[str, str]:
+    """What a train stage with a ``checkpointUrl`` gets in its environment (else nothing):
+    the URL and (when given) its storage options as compact JSON with sorted keys."""
+    if train is None or train.checkpoint_url is None:
+        return {}
+    env = {CHECKPOINT_DIR_ENV: train.checkpoint_url}
+    if train.storage_options:
+        env[STORAGE_OPTIONS_ENV] = storage_options_json(train.storage_options)
+    return env
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,7 +316,9 @@ class Runner:
         where = f"stages.{stage.name}.env"
         env = dict(self.pipeline.env)
         env.update(stage.env)
-        return {k: substitute(v, self._values, where) for k, v in env.items()}
+        out = {k: substitute(v, self._values, where) for k, v in env.items()}
+        out.update(checkpoint_env(stage.train))  # the spec's own fields win over env
+        return out
 
     def _key(self, stage: Stage, argv: list[str], inputs: Mapping[str, str | None]) -> str:
         assert self.state is not None

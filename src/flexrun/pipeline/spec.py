@@ -32,6 +32,9 @@ The file format::
           nnodes: "1:4"                # local runs are one node (standalone)
           maxRestarts: 3
           checkpointDir: ckpt          # kept across retries/resumes, wiped when inputs change
+          # or, instead of checkpointDir, an object store (never wiped by the runner):
+          # checkpointUrl: s3://ml-checkpoints/digits
+          # storageOptions: {endpoint_url: "http://minio:9000"}   # no credentials
           k8s: {resources: {cpu: "4"}} # extra fields of the flexrun k8s job spec
         retries: 1
         timeout: 1800                  # seconds, per attempt
@@ -40,7 +43,10 @@ The file format::
 Paths in ``outputs`` and ``checkpointDir`` (what the runner writes, and may remove) are
 relative to the run directory and must stay strictly below it: absolute paths, ``..``,
 ``.`` are refused here (``paths.check_relative``), and symlinks out of it before a run
-(``paths.resolve_below``). Relative ``inputs`` must stay below it too; an absolute input
+(``paths.resolve_below``). A ``checkpointUrl`` (any fsspec URL, no credential in it) and
+its ``storageOptions`` (checked by ``flexrun.storage_options.check_no_secrets``) reach the
+stage as ``FLEXRUN_CHECKPOINT_DIR`` and ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS`` (JSON);
+nothing under a URL is ever removed. Relative ``inputs`` must stay below it too; an absolute input
 (or one under ``{pipeline_dir}``) names outside data, which is only ever read.
 Placeholders: ``{python}`` (this interpreter locally, ``python`` in a container),
 ``{pipeline_dir}`` and ``{run_dir}``. Parsing goes through the shared reader
@@ -59,6 +65,12 @@ from typing import Any
 from flexrun._spec import SpecReader, load_yaml
 from flexrun.errors import SpecError
 from flexrun.pipeline.paths import check_relative
+from flexrun.storage_options import (
+    CHECKPOINT_DIR_ENV,
+    STORAGE_OPTIONS_ENV,
+    check_url,
+    spec_storage_options,
+)
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -90,6 +102,12 @@ class TrainSpec:
     checkpoint_dir: str | None = None
     """Run-dir-relative checkpoint directory: kept across resumes, wiped when the stage's
     inputs or command change (a checkpoint of other data must not be resumed)."""
+    checkpoint_url: str | None = None
+    """An fsspec URL for checkpoints (``s3://bucket/prefix``) instead of ``checkpoint_dir``:
+    exported as ``FLEXRUN_CHECKPOINT_DIR``; the runner never removes anything under it."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec ``storage_options`` of ``checkpoint_url`` (no credential), exported as JSON in
+    ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS``."""
     k8s: Mapping[str, Any] = field(default_factory=dict)
     """Extra fields of the flexrun k8s job spec (resources, spot, store, ...) for Argo."""
 
@@ -124,6 +142,10 @@ class Stage:
             raise _fail(f"{where}.retries", f"must be >= 0 (got {self.retries})")
         if not self.timeout_s > 0:
             raise _fail(f"{where}.timeout", f"must be > 0 seconds (got {self.timeout_s})")
+        if self.train is not None and self.train.checkpoint_url is not None:
+            for key, _ in self.env:
+                if key in (CHECKPOINT_DIR_ENV, STORAGE_OPTIONS_ENV):
+                    raise _fail(f"{where}.env.{key}", "is set from train.checkpointUrl")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -208,6 +230,15 @@ def _parse_command(r: SpecReader, key: str) -> tuple[str, ...] | None:
     return r.str_list(key)
 
 
+def _storage_options(r: SpecReader) -> dict[str, Any]:
+    raw = r.raw("storageOptions")
+    if raw is None:
+        return {}
+    if r.raw("checkpointUrl") is None:
+        raise _fail(r.at("storageOptions"), "only with checkpointUrl (an object store)")
+    return spec_storage_options(raw, r.at("storageOptions"), error=SpecError)
+
+
 def _parse_train(r: SpecReader) -> TrainSpec:
     script = r.scalar("script")
     if script is None:
@@ -225,9 +256,15 @@ def _parse_train(r: SpecReader) -> TrainSpec:
         nnodes=nnodes,
         max_restarts=r.int_("maxRestarts", 3),
         checkpoint_dir=r.scalar("checkpointDir"),
+        checkpoint_url=r.scalar("checkpointUrl"),
+        storage_options=_storage_options(r),
         k8s=dict(k8s or {}),
     )
     r.done()
+    if spec.checkpoint_url is not None:
+        if spec.checkpoint_dir is not None:
+            raise _fail(r.at("checkpointUrl"), "set checkpointDir or checkpointUrl, not both")
+        check_url(spec.checkpoint_url, r.at("checkpointUrl"), error=SpecError)
     if spec.max_restarts < 0:
         raise _fail(r.at("maxRestarts"), f"must be >= 0 (got {spec.max_restarts})")
     if spec.checkpoint_dir is not None:

@@ -45,9 +45,14 @@ class WarmPool:
         node: Path | None = None,
         *,
         spare_command: Sequence[str] | None = None,
+        max_booting: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.size = size
+        self.max_booting = max_booting
+        """A refill starts at most this many spares importing at once (None: no limit): a
+        pool larger than one restart's need gets one restart's worth ready first, instead
+        of every spare sharing the CPU and all of them ready late."""
         self.environ = dict(environ)
         self.root = root
         self.node = node
@@ -72,6 +77,9 @@ class WarmPool:
         target = self.size if count is None else count
         if self.node is not None and len(self.spares) < target:
             self.spares.extend((a.worker, a.ready) for a in self._take(target - len(self.spares)))
+        if count is None and self.max_booting is not None:
+            booting = sum(1 for _, ready in self.spares if not ready.exists())
+            target = min(target, len(self.spares) + max(0, self.max_booting - booting))
         while len(self.spares) < target:
             self._seq += 1
             name = f"spare-{os.getpid()}-{self._seq}"

@@ -8,10 +8,11 @@ tcp store is the agent's business (``flexrun.agent.launch``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from flexrun.config import BACKENDS_ETCD, SECRET_ENV_FILE, StoreSettings, read_secret_file
-from flexrun.errors import ConfigError
+from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.store.api import Store
 from flexrun.store.signed import SignedStore
 
@@ -30,13 +31,11 @@ def connect(settings: StoreSettings, endpoint: tuple[str, int] | None = None) ->
 
         store = EtcdStore.from_settings(settings)
     else:
-        from flexrun.store.tcp import TcpStore
-
         if endpoint is None:
             if not settings.endpoints:
                 raise ConfigError("no store endpoint given (--rdzv-endpoint HOST:PORT)")
             endpoint = settings.endpoints[0]
-        store = TcpStore(endpoint[0], endpoint[1], connect_timeout_s=settings.connect_timeout_s)
+        store = _tcp(endpoint[0], endpoint[1], settings.connect_timeout_s)
     return SignedStore(store, settings.secret) if settings.secret is not None else store
 
 
@@ -50,13 +49,30 @@ def connect_from_env(
         StoreUnavailable: the store does not answer within ``connect_timeout_s``.
         ConfigError: the secret file cannot be read.
     """
-    from flexrun.store.tcp import TcpStore
-
-    store: Store = TcpStore(host, port, connect_timeout_s=connect_timeout_s)
+    store: Store = _tcp(host, port, connect_timeout_s)
     path = environ.get(SECRET_ENV_FILE)
     if path:
         return SignedStore(store, read_secret_file(path))
     return store
+
+
+def _tcp(host: str, port: int, connect_timeout_s: float) -> Store:
+    """A tcp store client, retried until ``connect_timeout_s``: a server that accepts and
+    then drops the connection (it is restarting) is waited for like one that refuses.
+
+    Raises:
+        StoreUnavailable: not connected within ``connect_timeout_s``.
+    """
+    from flexrun.store.tcp import TcpStore
+
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            return TcpStore(host, port, connect_timeout_s=max(0.1, deadline - time.monotonic()))
+        except StoreUnavailable:
+            if time.monotonic() + 0.2 >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 def tcp_address(store: Store) -> tuple[str, int] | None:

@@ -9,6 +9,7 @@ talk only through the environment, the run directory and signals.
 from __future__ import annotations
 
 from flexrun.errors import FencedError, StorageFailure
+from flexrun.storage_options import STORAGE_OPTIONS_ENV, storage_options_from_env
 from flexrun.train.batch import BatchPlan
 from flexrun.train.checkpoint import Checkpointer, Loaded, Stateful
 from flexrun.train.context import TrainContext, current, init, shutdown
@@ -21,7 +22,6 @@ from flexrun.train.preempt import PreemptionGuard
 from flexrun.train.progress import install_stack_dump, report_progress
 from flexrun.train.sampler import ElasticSampler
 from flexrun.train.sharded import ShardedCheckpointer
-from flexrun.train.storage_options import STORAGE_OPTIONS_ENV, storage_options_from_env
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

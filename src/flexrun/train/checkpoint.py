@@ -33,6 +33,7 @@ import torch.distributed as dist
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError, StorageFailure
 from flexrun.events import EventLog
+from flexrun.storage_options import storage_options_from_env
 from flexrun.train.commit_object import open_commit
 from flexrun.train.context import TrainContext, current, single_process_context
 from flexrun.train.layout import (
@@ -56,7 +57,6 @@ from flexrun.train.state import (
     synchronize_device,
 )
 from flexrun.train.storage import Storage
-from flexrun.train.storage_options import storage_options_from_env
 
 __all__ = [
     "DEFAULT_PERSIST_CPU_SHARE",

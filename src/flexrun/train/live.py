@@ -150,7 +150,8 @@ class LiveLoop:
             raise ConfigError(
                 f"global_batch must be >= 1 and steps >= 0 (got {global_batch}, {steps})"
             )
-        self.env = LiveEnv.from_environ(os.environ if environ is None else environ)
+        env_vars = os.environ if environ is None else environ
+        self.env = LiveEnv.from_environ(env_vars)
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -172,7 +173,7 @@ class LiveLoop:
         self._params = [p for p in model.parameters()]
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
-        self.group = EpochGroup(self.env, timeout_s=timeout_s)
+        self.group = EpochGroup(self.env, timeout_s=timeout_s, environ=env_vars, events=self.events)
         self.durable = LiveDurability(
             checkpoint_dir, model=model, optimizer=optimizer, env=self.env, events=self.events
         )

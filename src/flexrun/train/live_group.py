@@ -7,26 +7,62 @@ report exchange under the epoch's own store prefix, and a fresh ``ProcessGroupGl
 epoch (old groups are leaked, never aborted or destroyed). It does not decide whose state
 wins (``flexrun.train.live_plan``), move state (``flexrun.train.live_sync``) or run the
 step loop (``flexrun.train.live``).
+
+Store outages. A formed process group needs no store (gloo talks peer to peer), so while
+the store is away the current epoch trains on: an epoch check that cannot reach the store
+is skipped (a refused-connection probe, not a blocking reconnect, so a step is not slowed)
+and retried every ``OUTAGE_RETRY_S``. A membership change (waiting for the next epoch, the
+members' agreement, marking the job formed or done) waits for the store to come back, and
+its timeout counts from the store's return. A restarted store has lost every key: the
+agents publish the epoch again, numbered above the last one (``flexrun.agent.live_epochs``),
+and a member still waiting in an interrupted agreement posts its report again.
+
+Authentication. With a job secret (the agent passes ``FLEXRUN_JOB_SECRET_FILE``) the
+records read here (the epoch, ``formed``, ``done``) are verified
+(:func:`flexrun.store.factory.connect_from_env`): a record written without the secret is
+ignored (a ``store_record_rejected`` event). The members' arrival reports and the process
+group's own keys go through torch's ``TCPStore`` unsigned (see SECURITY.md).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from flexrun.errors import LiveAborted, TrainingFinished
+from flexrun.errors import LiveAborted, StoreUnavailable, TrainingFinished
+from flexrun.events import EventLog
 from flexrun.live_protocol import EpochRecord, LiveEnv, LiveKeys, MemberReport
+from flexrun.store.factory import connect_from_env
+from flexrun.store.signed import report_to
+from flexrun.store.tcp_server import probe
 from flexrun.train.live_sync import leak
+
+log = logging.getLogger("flexrun.train.live")
+
+OUTAGE_RETRY_S = 0.25
+"""While the store is unreachable: how often a training worker looks again."""
+
+_T = TypeVar("_T")
 
 
 class EpochGroup:
     """This worker's view of the live epochs: the current one, its process group, and the
     store keys the agents and the members share. Connects to the store on construction."""
 
-    def __init__(self, env: LiveEnv, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        env: LiveEnv,
+        *,
+        timeout_s: float,
+        environ: Mapping[str, str] | None = None,
+        events: EventLog | None = None,
+    ) -> None:
         self.env = env
         self.timeout_s = timeout_s
         self.epoch: EpochRecord | None = None
@@ -37,13 +73,68 @@ class EpochGroup:
         self._next_check = 0.0
         self.keys = LiveKeys(env.run_id)
         self._prefix: Any = None
+        self.events = events
+        self.down_since: float | None = None
+        """When the store became unreachable (None: reachable)."""
 
-        from flexrun.store.tcp import TcpStore
-
-        self.store = TcpStore(env.store_host, env.store_port, connect_timeout_s=30)
-        self._raw = dist.TCPStore(
-            env.store_host, env.store_port, None, False, timedelta(seconds=timeout_s)
+        self.store = connect_from_env(
+            env.store_host, env.store_port, os.environ if environ is None else environ
         )
+        report_to(self.store, self._rejected)
+        self._raw = self._connect_raw()
+
+    def _connect_raw(self) -> Any:
+        return dist.TCPStore(
+            self.env.store_host, self.env.store_port, None, False, timedelta(seconds=self.timeout_s)
+        )
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, **fields)
+
+    def _rejected(self, key: str, reason: str) -> None:
+        log.warning("ignoring a store record that does not verify: %s (%s)", key, reason)
+        self._emit("store_record_rejected", key=key, reason=reason)
+
+    # -- store outages ------------------------------------------------------------------------
+    def _outage(self, exc: Exception) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning("store unreachable (%s); training on, membership changes wait", exc)
+            self._emit("store_unavailable", error=str(exc)[:300], epoch=self._number())
+
+    def _back(self) -> None:
+        if self.down_since is not None:
+            down = time.monotonic() - self.down_since
+            self.down_since = None
+            log.warning("store reachable again after %.1fs", down)
+            self._emit("store_recovered", down_s=round(down, 3), epoch=self._number())
+
+    def _number(self) -> int | None:
+        return self.epoch.number if self.epoch is not None else None
+
+    def _reachable(self) -> None:
+        """During an outage, a quick look (one refused connect) before a real request.
+
+        Raises:
+            StoreUnavailable: still unreachable.
+        """
+        if self.down_since is not None:
+            probe(self.env.store_host, self.env.store_port, 0.0)
+
+    def _patiently(self, fn: Callable[[], _T]) -> _T:
+        """``fn()``, waiting out store outages (however long: the agent, which outlives
+        this worker, decides when a job without its store is over)."""
+        while True:
+            try:
+                self._reachable()
+                out = fn()
+            except StoreUnavailable as exc:
+                self._outage(exc)
+                time.sleep(OUTAGE_RETRY_S)
+                continue
+            self._back()
+            return out
 
     # -- the current epoch -------------------------------------------------------------------
     def read_epoch(self) -> EpochRecord | None:
@@ -56,9 +147,18 @@ class EpochGroup:
         if now < self._next_check:
             return
         self._next_check = now + 0.005
-        rec = self.read_epoch()
+        try:
+            self._reachable()
+            rec = self.read_epoch()
+        except StoreUnavailable as exc:
+            # The formed group needs no store: train on, look again later.
+            self._outage(exc)
+            self._next_check = now + OUTAGE_RETRY_S
+            return
+        self._back()
         current = self.epoch.number if self.epoch else -1
-        if rec is not None and rec.number != current:
+        # (Only a newer number is a change: a restored record is numbered above the last.)
+        if rec is not None and rec.number > current:
             if rec.abort or self.env.worker_id not in rec.members:
                 raise LiveAborted(f"epoch {rec.number} replaced epoch {current}")
             self.pending_change = True
@@ -107,9 +207,17 @@ class EpochGroup:
         """
         deadline = time.monotonic() + self.timeout_s
         while True:
-            since = self.store.revision()
-            self.check_finished(has_state=has_state)
-            rec = self.read_epoch()
+            try:
+                self._reachable()
+                since = self.store.revision()
+                self.check_finished(has_state=has_state)
+                rec = self.read_epoch()
+            except StoreUnavailable as exc:
+                self._outage(exc)
+                time.sleep(OUTAGE_RETRY_S)
+                deadline = time.monotonic() + self.timeout_s  # (counts from its return)
+                continue
+            self._back()
             if rec is not None and rec.number > after:
                 if self.env.worker_id in rec.members:
                     return rec
@@ -119,7 +227,10 @@ class EpochGroup:
                 raise LiveAborted(
                     f"no new membership epoch after {after} within {self.timeout_s:g}s"
                 )
-            self.store.wait_for_change(self.keys.epoch, since, 0.5)
+            try:
+                self.store.wait_for_change(self.keys.epoch, since, 0.5)
+            except StoreUnavailable as exc:
+                self._outage(exc)
 
     def check_finished(self, *, has_state: bool) -> None:
         """Raises TrainingFinished when this worker holds no state and the job is done."""
@@ -138,8 +249,7 @@ class EpochGroup:
             TrainingFinished: see ``check_finished``.
         """
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
-        prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
-        prefix.set(LiveKeys.ready(rank), report.encode())
+        prefix = self._post(rec, rank, report)
         names = [LiveKeys.ready(r) for r in range(world)]
         now = time.monotonic()
         deadline, look, pause = now + self.timeout_s, now + 0.2, 0.001
@@ -151,13 +261,18 @@ class EpochGroup:
                 if prefix.check(names):
                     break
             except RuntimeError as exc:
-                raise LiveAborted(f"store failed during agreement: {exc}") from exc
+                # The store went away (a restarted one lost every report): wait for it,
+                # post again, and count the timeout from its return.
+                self._outage(StoreUnavailable(f"store failed during agreement: {exc}"))
+                prefix = self._patiently(lambda: self._repost(rec, rank, report))
+                deadline = time.monotonic() + self.timeout_s
+                continue
             now = time.monotonic()
             if now >= look:
                 look = now + 0.2
-                self.check_finished(has_state=has_state)
-                latest = self.read_epoch()
-                if latest is not None and latest.number != rec.number:
+                self._patiently(lambda: self.check_finished(has_state=has_state))
+                latest = self._patiently(self.read_epoch)
+                if latest is not None and latest.number > rec.number:
                     raise LiveAborted(
                         f"epoch {latest.number} superseded {rec.number} during agreement"
                     )
@@ -171,11 +286,45 @@ class EpochGroup:
         except ValueError as exc:
             raise LiveAborted(f"epoch {rec.number}: {exc}") from exc
 
+    def _post(self, rec: EpochRecord, rank: int, report: MemberReport) -> Any:
+        prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
+        try:
+            prefix.set(LiveKeys.ready(rank), report.encode())
+        except RuntimeError as exc:
+            self._outage(StoreUnavailable(f"store failed during agreement: {exc}"))
+            return self._patiently(lambda: self._repost(rec, rank, report))
+        return prefix
+
+    def _repost(self, rec: EpochRecord, rank: int, report: MemberReport) -> Any:
+        """A new connection to the store, and this member's report posted again.
+
+        Raises:
+            StoreUnavailable: the store is still unreachable.
+        """
+        probe(self.env.store_host, self.env.store_port, 0.0)
+        try:
+            self._raw = self._connect_raw()
+            prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
+            prefix.set(LiveKeys.ready(rank), report.encode())
+        except RuntimeError as exc:
+            raise StoreUnavailable(f"store failed during agreement: {exc}") from exc
+        return prefix
+
     def form(self, rec: EpochRecord) -> tuple[int, int]:
-        """A fresh process group for epoch ``rec`` (after ``agree``); returns (rank, world)."""
+        """A fresh process group for epoch ``rec`` (after ``agree``); returns (rank, world).
+
+        Raises:
+            LiveAborted: the group could not form (a member or the store went away).
+        """
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
         prefix = self._prefix or dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
-        self.pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=self.timeout_s))
+        try:
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            self._prefix = None
+            raise LiveAborted(
+                f"epoch {rec.number}'s group did not form: {str(exc).splitlines()[0][:200]}"
+            ) from exc
         self.epoch = rec
         self.pending_change = False
         self._prefix = None
@@ -184,13 +333,13 @@ class EpochGroup:
     # -- job-wide markers ---------------------------------------------------------------------
     def formed_before(self) -> bool:
         """Some epoch of this job has formed before (so someone once held state)."""
-        return self.store.get(self.keys.formed) is not None
+        return self._patiently(lambda: self.store.get(self.keys.formed)) is not None
 
     def mark_formed(self, epoch: int) -> None:
-        self.store.put(self.keys.formed, str(epoch).encode())
+        self._patiently(lambda: self.store.put(self.keys.formed, str(epoch).encode()))
 
     def mark_done(self, steps: int) -> None:
-        self.store.put(self.keys.done, str(steps).encode())
+        self._patiently(lambda: self.store.put(self.keys.done, str(steps).encode()))
 
 
 __all__ = ["EpochGroup", "LiveAborted", "LiveEnv", "TrainingFinished"]

@@ -10,7 +10,7 @@ killed one left), listing with sizes and etags, deletion. It does not know what 
 checkpoint is, and it never renames: object stores have no atomic rename.
 
 S3's adapter is ``flexrun.train.objstore_s3``; storage options that come from the
-environment (and the refusal of credentials in them) are ``flexrun.train.storage_options``.
+environment (and the refusal of credentials in them) are ``flexrun.storage_options``.
 
 Errors: a store that cannot be reached, times out or fails on its side (5xx) raises
 :class:`~flexrun.errors.StorageFailure` (``EIO``), which the Checkpointer counts like a

@@ -109,8 +109,8 @@ def verify(root: str) -> tuple[int | None, tuple[int, ...]]:
 
 def leftovers(root: str) -> tuple[bool, bool]:
     """(objects no manifest names, incomplete uploads) below an object-store root."""
+    from flexrun.storage_options import storage_options_from_env
     from flexrun.train.commit_object import open_commit
-    from flexrun.train.storage_options import storage_options_from_env
 
     proto = open_commit(root, storage_options=storage_options_from_env())
     store = proto.store  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ def _by_kind(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-@pytest.mark.parametrize("store", ["tcp", "etcd"])
+@pytest.mark.parametrize("store", ["tcp", "etcd", "objstore"])
 def test_rendered_yaml_matches_golden_file(store: str) -> None:
     text = to_yaml(render(load_job_spec(GOLDEN / f"{store}.job.yaml")))
     golden = GOLDEN / f"{store}.yaml"

@@ -48,8 +48,8 @@ def _job(path: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "path",
-    [EXAMPLE, GOLDEN / "tcp.job.yaml", GOLDEN / "etcd.job.yaml"],
-    ids=["example", "tcp", "etcd"],
+    [EXAMPLE, GOLDEN / "tcp.job.yaml", GOLDEN / "etcd.job.yaml", GOLDEN / "objstore.job.yaml"],
+    ids=["example", "tcp", "etcd", "objstore"],
 )
 def test_rendered_pytorchjob_validates_against_the_real_crd(
     crd_schema: dict[str, Any], path: Any

@@ -91,6 +91,7 @@ def _crd_errors(schema: Doc, doc: Doc) -> list[str]:
 SOURCES = {
     "trainjob": GOLDEN / "trainjob.job.yaml",
     "trainjob-etcd": GOLDEN / "trainjob-etcd.job.yaml",
+    "trainjob-objstore": GOLDEN / "trainjob-objstore.job.yaml",
     "example": TRAINJOB_EXAMPLE,
 }
 

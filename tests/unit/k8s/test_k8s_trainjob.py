@@ -25,7 +25,7 @@ from flexrun.k8s.validate import validate_documents
 pytestmark = pytest.mark.timeout(60)
 
 Doc = dict[str, Any]
-TRAINJOB_GOLDEN = ["trainjob", "trainjob-etcd"]
+TRAINJOB_GOLDEN = ["trainjob", "trainjob-etcd", "trainjob-objstore"]
 
 
 def _kinds(docs: list[Doc]) -> dict[str, Doc]:

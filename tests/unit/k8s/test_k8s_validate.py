@@ -44,7 +44,7 @@ def _worker(job: Doc) -> Doc:
 
 
 @pytest.mark.parametrize("core", MODES)
-@pytest.mark.parametrize("source", ["example", "tcp", "etcd"])
+@pytest.mark.parametrize("source", ["example", "tcp", "etcd", "objstore"])
 def test_rendered_manifests_are_valid(source: str, core: bool) -> None:
     path = EXAMPLE if source == "example" else GOLDEN / f"{source}.job.yaml"
     report = validate_documents(render(load_job_spec(path)), use_core_schemas=core)
@@ -53,7 +53,7 @@ def test_rendered_manifests_are_valid(source: str, core: bool) -> None:
 
 
 def test_golden_files_validate_from_disk() -> None:
-    for name in ("tcp.yaml", "etcd.yaml"):
+    for name in ("tcp.yaml", "etcd.yaml", "objstore.yaml"):
         assert validate_file(GOLDEN / name).ok
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from flexrun.errors import CheckpointError, ConfigError
+from flexrun.storage_options import STORAGE_OPTIONS_ENV, check_no_secrets
 from flexrun.train import Checkpointer, CheckpointOptions, storage_options_from_env
 from flexrun.train.context import single_process_context
-from flexrun.train.storage_options import STORAGE_OPTIONS_ENV, check_no_secrets
 
 
 def test_options_are_a_frozen_validated_record() -> None:
