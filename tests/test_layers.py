@@ -32,16 +32,29 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors", "__init__"},  # (a package: settings, build, parsing, topology...)
     "_cmdutil": {"errors"},
     "_spec": {"errors"},  # the one spec-file reader of k8s and pipeline specs
+    "worker_hook": set(),  # runs inside every worker before the script: stdlib only
+    "_hookboot": {"worker_hook"},  # the workers' sitecustomize that installs it
     # Below the agent.
     "store": BASE | {"config", "events"},
     "rendezvous": BASE | {"config", "events", "store"},
     "proc": BASE,
-    "spares": BASE | {"proc", "train"},  # (train: the spare pre-imports what workers use)
+    "spares": BASE
+    | {"proc", "train", "worker_hook"},  # (train: the spare pre-imports what workers use)
     # The training library runs inside workers: never agent, proc or spares.
-    "train": BASE | {"config", "events", "live_protocol", "store"},
+    "train": BASE | {"config", "events", "live_protocol", "store", "worker_hook"},
     # Users of the layers below.
     "agent": BASE
-    | {"config", "events", "live_protocol", "observe", "proc", "rendezvous", "spares", "store"},
+    | {
+        "config",
+        "events",
+        "live_protocol",
+        "observe",
+        "proc",
+        "rendezvous",
+        "spares",
+        "store",
+        "worker_hook",
+    },
     "observe": BASE | {"_cmdutil", "config", "events", "rendezvous", "store"},
     "k8s": BASE | {"_cmdutil", "_spec", "config"},
     "pipeline": BASE | {"_cmdutil", "_spec", "config", "k8s", "train"},  # (k8s: Argo pods)

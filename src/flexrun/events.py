@@ -5,6 +5,10 @@ Owns the on-disk format and line-atomic appends; it does not decide which events
 written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so concurrent writers
 (agents and workers of one node) never interleave within a line, and a writer killed
 mid-way leaves at worst one partial last line, which :func:`read_events` skips.
+
+A log that cannot be written (a full or failing disk) never stops the run: the line is
+dropped and counted, stderr says so once, and the next line that can be written is
+preceded by an ``events_dropped`` record with the count (the log resumes by itself).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +44,9 @@ class EventLog:
         self.round: int | None = None
         self._clock = clock
         self._lock = threading.Lock()
+        self.dropped = 0
+        """Lines lost to write errors since the log was last writable."""
+        self.dropped_total = 0
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -60,12 +68,34 @@ class EventLog:
             return record
         line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
         with self._lock:
-            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if self.dropped:
+                gap = {**record, "event": "events_dropped", "dropped": self.dropped}
+                line = (json.dumps(gap, default=str, separators=(",", ":")) + "\n").encode() + line
             try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+                self._append(self._path, line)
+            except OSError as exc:
+                self._drop(exc)
+            else:
+                self.dropped = 0
         return record
+
+    @staticmethod
+    def _append(path: Path, line: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def _drop(self, exc: OSError) -> None:
+        if self.dropped_total == 0:
+            print(
+                f"flexrun: cannot write the event log {self._path} ({exc.strerror or exc}); "
+                "dropping events until it can be written again (training goes on)",
+                file=sys.stderr,
+            )
+        self.dropped += 1
+        self.dropped_total += 1
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -168,7 +168,11 @@ def add_torchrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     )
     o.flag("--standalone", help="one node with a store on a free port")
     o.value(
-        "--max-restarts", default=0, type=int, help="failures tolerated per job before giving up"
+        "--max-restarts",
+        default=0,
+        type=int,
+        help="failures tolerated before giving up: per job in restart mode (torchrun's "
+        "default); per hour in live mode, where an absent flag means 10",
     )
     o.value(
         "--monitor-interval", default=0.1, type=float, help="seconds between worker health checks"
@@ -300,9 +304,18 @@ def add_flexrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
     )
     o.value(
         "--hang-timeout",
-        default="0",
-        help="seconds without step progress (flexrun.train.report_progress) before a rank's "
-        "stacks are captured and it is failed; 0: off",
+        default="60",
+        help="the least silence (seconds) after which a rank is hung: its stacks are "
+        "captured and it is failed. The limit grows with the rank's learned step time "
+        "(10x a step, 2x its longest silence, at most 1800 s) and is max(120, 5x this) "
+        "before the first step. Steps are seen with no script change (torch.optim steps, "
+        "report_progress, collectives). 0: off",
+    )
+    o.value(
+        "--crash-loop-restarts",
+        default="3",
+        help="end the job with exit code 86 (do not requeue) when this many restarts in a "
+        "row, and the failure before them, completed no training step; 0: off",
     )
     o.value("--metrics-port", default=None, help="serve Prometheus metrics on this port; None: off")
     o.value(

@@ -117,7 +117,10 @@ def test_user_password_auth_is_used_and_bad_credentials_are_config_errors(
     _gw(port, "auth/enable", {})
     store = EtcdStore.from_settings(
         StoreSettings(
-            backend="etcd", endpoints=tuple(etcd1.endpoints), conf={"user": "root"}, password="s3cret"
+            backend="etcd",
+            endpoints=tuple(etcd1.endpoints),
+            conf={"user": "root"},
+            password="s3cret",
         )
     )
     try:
@@ -139,7 +142,9 @@ def test_user_password_auth_is_used_and_bad_credentials_are_config_errors(
     ):
         rest, _, password = store_credentials(conf, env)
         s2 = EtcdStore.from_settings(
-            StoreSettings(backend="etcd", endpoints=tuple(etcd1.endpoints), conf=rest, password=password)
+            StoreSettings(
+                backend="etcd", endpoints=tuple(etcd1.endpoints), conf=rest, password=password
+            )
         )
         try:
             assert s2.get("k") is not None
@@ -238,7 +243,6 @@ def test_tls_with_a_client_certificate_is_used_and_a_missing_one_is_refused(tmp_
             store.close()
         with pytest.raises(StoreUnavailable):
             EtcdStore(cluster.endpoints, cacert=str(f["ca.pem"]), connect_timeout_s=1)
-
 
 
 def test_tls_with_etcd_auth_from_a_password_file_and_a_job_secret_end_to_end(

@@ -33,7 +33,13 @@ def pet(port: int, rank: int, nproc: int) -> dict[str, str]:
 
 
 def start_node(
-    procs: Procs, port: int, rank: int, script: list[str], *extra: str, nproc: int = 1, tag: str = ""
+    procs: Procs,
+    port: int,
+    rank: int,
+    script: list[str],
+    *extra: str,
+    nproc: int = 1,
+    tag: str = "",
 ):  # type: ignore[no-untyped-def]
     name = f"node{rank}{tag}"
     return procs.start(

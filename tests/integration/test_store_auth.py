@@ -54,11 +54,26 @@ def _stranger(backend: str, endpoint: str) -> Store:
     return EtcdStore([(host, int(port))], connect_timeout_s=10)
 
 
-def _agent(procs: Procs, backend: str, endpoint: str, name: str, progress: Path, env: dict[str, str], steps: int) -> Any:
+def _agent(
+    procs: Procs,
+    backend: str,
+    endpoint: str,
+    name: str,
+    progress: Path,
+    env: dict[str, str],
+    steps: int,
+) -> Any:
     return procs.start(
         [
-            *node_args(endpoint, name, procs.tmp / f"run-{name}", nproc=1, nnodes="1:3",
-                       backend=backend, conf=HB),
+            *node_args(
+                endpoint,
+                name,
+                procs.tmp / f"run-{name}",
+                nproc=1,
+                nnodes="1:3",
+                backend=backend,
+                conf=HB,
+            ),
             "--max-restarts",
             "0",
             str(DDP_STEPS),
@@ -107,11 +122,15 @@ def test_a_stranger_without_the_secret_can_neither_join_change_a_round_nor_fail_
         current = stranger.get(keys.round)
         assert current is not None
         failed = RoundRecord(99, FAILED, (), 9, "restarts_exhausted", 42)
-        ok, _ = stranger.compare_and_set(keys.round, failed.header(), expected_revision=current.revision)
+        ok, _ = stranger.compare_and_set(
+            keys.round, failed.header(), expected_revision=current.revision
+        )
         assert ok, "the stranger's write itself succeeds: the store does not authenticate clients"
         claim = stranger.get(keys.watcher)
         assert claim is not None
-        stranger.compare_and_set(keys.watcher, Claim("evil", 99).encode(), expected_revision=claim.revision)
+        stranger.compare_and_set(
+            keys.watcher, Claim("evil", 99).encode(), expected_revision=claim.revision
+        )
         stranger.put(keys.heartbeat("a"), b"junk over a member's keep-alive", ttl_s=3)
         time.sleep(6)  # two heartbeat timeouts: long enough for a lost node or a new round
     finally:
@@ -154,5 +173,7 @@ def test_without_a_secret_the_agents_of_a_multi_node_job_warn(procs: Procs) -> N
     b = _agent(procs, "c10d", f"127.0.0.1:{port}", "b", progress, env, 20)
     assert a.wait(timeout=180) == 0 and b.wait(timeout=60) == 0
     for name in ("a", "b"):
-        assert "store_unauthenticated" in [e["event"] for e in read_events(procs.tmp / f"run-{name}")]
+        assert "store_unauthenticated" in [
+            e["event"] for e in read_events(procs.tmp / f"run-{name}")
+        ]
         assert "NOT AUTHENTICATED" in procs.stderr(name)

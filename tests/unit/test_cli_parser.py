@@ -31,6 +31,7 @@ FLEXRUN_ONLY = {
     "node_id",
     "mode",
     "hang_timeout",
+    "crash_loop_restarts",
     "metrics_port",
     "metrics_host",
     "resource_interval",

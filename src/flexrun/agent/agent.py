@@ -5,7 +5,8 @@ Owns the loop that composes the rendezvous handler (membership), a
 the pure failure policy (:mod:`flexrun.agent.policy`: this module only carries its actions
 out), store outages, the agent's own signals, productive-time bookkeeping and the exit
 code (:mod:`flexrun.exitcodes`): 0 success; a failed worker's own code when 1..127;
-128+N when the job stopped on signal N (143 for a preemption's SIGTERM).
+86 (NO_PROGRESS) for a crash loop; 128+N when the job stopped on signal N (143 for a
+preemption's SIGTERM).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.errors import AgentError, StoreUnavailable
 from flexrun.events import EventLog
-from flexrun.exitcodes import STORE_LOST, for_signal
+from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import FAILED, RUNNING
@@ -48,22 +49,32 @@ class _Terminated(BaseException):
 
 class Uptime:
     """The productive time of this node's workers: the sum of the segments that ended
-    without a failure (a failed segment's work is lost to the restart)."""
+    without a failure (a failed segment's work is lost to the restart), each counted from
+    its first observed training step (time before it, and a segment in which no step was
+    observed at all, is never productive: a job hung in ``init_process_group`` has
+    ETTR 0)."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.total_s = 0.0
         self._since: float | None = None
+        self._first_step: float | None = None
 
     def restart(self) -> None:
         """Workers (re)started: close the open segment as productive, open a new one."""
         self.stop(productive=True)
         self._since = self.clock.monotonic()
 
+    def observe(self, first_step: float | None) -> None:
+        """The runner saw the segment's first step at ``first_step`` (monotonic)."""
+        if self._since is not None and self._first_step is None and first_step is not None:
+            self._first_step = max(first_step, self._since)
+
     def stop(self, *, productive: bool) -> None:
-        if self._since is not None and productive:
-            self.total_s += self.clock.monotonic() - self._since
+        if self._since is not None and productive and self._first_step is not None:
+            self.total_s += max(self.clock.monotonic() - self._first_step, 0.0)
         self._since = None
+        self._first_step = None
 
 
 class Agent:
@@ -174,6 +185,7 @@ class Agent:
             return self._decide_actions((policy.Report(self.phase.round, self.phase.cause),))
         if self.runner.active:
             event = self.runner.poll()
+            self.uptime.observe(self.runner.first_step_mono())
             if event is not None:
                 code = self._decide(event)
                 if code is not None:
@@ -217,6 +229,8 @@ class Agent:
             return self._decide(policy.Halted())
         if isinstance(action, Exit):
             self._stop(STOP_GRACE_S, productive=True)
+            if action.code == NO_PROGRESS:
+                self._crash_loop_exit()
             if action.code != 0:
                 _print_root_cause(action.root_cause, action.reason)
             return action.code
@@ -264,16 +278,38 @@ class Agent:
         """Count a failure against --max-restarts (restart mode: the next round, or the
         job's end; live mode: the round stays)."""
         cause = a.cause.replace(node=a.cause.node or self.rdzv.me.node_id)
+        progressed = self.runner.made_progress()
         if a.live:
             self.events.emit("failure", **cause.to_dict())
-            self.rdzv.count_failure(cause)
+            rec = self.rdzv.count_failure(cause, progressed=progressed)
+            if rec.state == FAILED:
+                log.error(
+                    "worker %s failed (%s); restarts exhausted (%d allowed%s): not replacing it",
+                    cause.worker_id or cause.rank,
+                    cause.describe(),
+                    self.config.rendezvous.max_restarts,
+                    _window(self.config.rendezvous.restart_window_s),
+                )
+            else:
+                log.warning(
+                    "worker %s failed (%s): %s; replacing it, survivors keep running "
+                    "(failure %d of at most %d%s)",
+                    cause.worker_id or cause.rank,
+                    cause.describe(),
+                    cause.message,
+                    rec.restarts,
+                    self.config.rendezvous.max_restarts,
+                    _window(self.config.rendezvous.restart_window_s),
+                )
             return
-        rec = self.rdzv.report_failure(a.round, cause)
+        rec = self.rdzv.report_failure(a.round, cause, progressed=progressed)
         self.phase = policy.step(self.phase, policy.Reported(), 0.0, self.settings).phase
         self.events.emit("failure", **{k: v for k, v in cause.to_dict().items() if k != "round"})
         what = f"rank {cause.rank} failed ({cause.describe()})"
         max_restarts = self.config.rendezvous.max_restarts
-        if rec.state == FAILED:
+        if rec.state == FAILED and rec.reason == "no_progress":
+            log.error("%s; no step completed since the last restart", what)
+        elif rec.state == FAILED:
             log.error("%s; restarts exhausted (%d allowed)", what, max_restarts)
         elif rec.state == RUNNING and rec.reason == "failure":
             self.events.emit("restart", round=rec.number, reason="failure", restarts=rec.restarts)
@@ -284,6 +320,16 @@ class Agent:
                 rec.restarts,
                 max_restarts,
             )
+
+    def _crash_loop_exit(self) -> None:
+        k = self.config.rendezvous.crash_loop_restarts
+        line = (
+            f"crash loop: the job failed {k + 1} times in a row without completing a "
+            f"training step (--crash-loop-restarts {k}); giving up with exit code "
+            f"{NO_PROGRESS} (do not requeue: the same start will fail again)"
+        )
+        print(f"flexrun: {line}", file=sys.stderr)
+        self.events.emit("no_progress", crash_loop_restarts=k, message=line)
 
     def _stop(
         self, grace_s: float, *, productive: bool, on_first_exit: Callable[[], None] | None = None
@@ -342,6 +388,10 @@ class Agent:
         self._outage_tries += 1
         self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))
         return False
+
+
+def _window(window_s: float) -> str:
+    return f" per {window_s:g}s window" if window_s > 0 else ""
 
 
 def _print_root_cause(cause: FailureCause | None, reason: str) -> None:

@@ -102,8 +102,10 @@ def build_agent(
         if static is not None:
             # torchrun's view: the workers meet at the given master, in a store that
             # node rank 0's agent hosts there afresh every round.
-            masters = worker_stores.for_round if worker_stores is not None else (
-                WorkerStores(static).for_round
+            masters = (
+                worker_stores.for_round
+                if worker_stores is not None
+                else (WorkerStores(static).for_round)
             )
         else:
             masters = lambda rnd: rdzv.master_for(rnd, timeout_s=timeout)  # noqa: E731

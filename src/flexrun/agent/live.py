@@ -25,7 +25,7 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import console_plan
 from flexrun.agent.live_epochs import EpochPublisher
 from flexrun.agent.policy import LiveFailed, LiveFinished
-from flexrun.agent.runner import RoundStart
+from flexrun.agent.runner import LoopProgress, RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.cause import FailureCause
 from flexrun.config import SECRET_ENV, SECRET_ENV_FILE, RunConfig
@@ -106,7 +106,7 @@ def _tees(w: Worker, wid: str, console: frozenset[str], done: threading.Event) -
     return start_tees(w.log_dir, f"[{wid}]:", console, done, w.log_offsets)
 
 
-class LiveRunner:
+class LiveRunner(LoopProgress):
     """This node's live workers for the whole job."""
 
     def __init__(
@@ -286,7 +286,7 @@ class LiveRunner:
             reap(lw.worker)
             del self.slots[slot]
             log.warning(
-                "worker %s failed (%s): %s; replacing it, survivors keep running",
+                "worker %s failed (%s): %s",  # (the agent says whether it is replaced)
                 cause.worker_id,
                 cause.describe(),
                 cause.message,
@@ -317,7 +317,7 @@ class LiveRunner:
         age = heartbeat_age(lw.heartbeat, now_wall)
         if age is None:
             return  # not in the loop yet, or done with it: nothing to watch
-        lw.included = True
+        lw.included = self.saw_loop(self.clock.monotonic())
         if age > self.config.rendezvous.heartbeat_timeout_s:
             log.warning("worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age)
             self.events.emit("hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2))

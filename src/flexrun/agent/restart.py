@@ -1,8 +1,8 @@
 """Restart mode's runner (torchrun semantics): every round starts this node's workers afresh.
 
 Owns the worker group of the current round: building each rank's environment, taking
-warm spares for it, hang detection without the script's help beyond
-``report_progress`` files, and turning worker exits into the policy's ``Exited`` event
+warm spares for it, hang detection without the script's help (each worker's progress
+hook, :mod:`flexrun.worker_hook`, read through :mod:`flexrun.agent.progress`), and turning worker exits into the policy's ``Exited`` event
 (each failure with its root cause). It does not decide what a failure means
 (:mod:`flexrun.agent.policy`) nor talk to the store except to learn the round's master.
 """
@@ -13,9 +13,11 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import console_plan
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
+from flexrun.agent.progress import HangLimits, ProgressBook
 from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.config import RunConfig
@@ -67,6 +69,8 @@ class RestartRunner:
         """Rounds started so far (TORCHELASTIC_RESTART_COUNT of the next one)."""
         self._started_at = 0.0
         self._cold_workers = 0  # workers of the current round not taken from the warm pool
+        self.progress = ProgressBook()
+        self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
         self._warm_until = 0.0
         self._command = build_command(
             config.entrypoint, config.args, module=config.module, no_python=config.no_python
@@ -110,11 +114,12 @@ class RestartRunner:
         # One wait for booting spares per round, shared by its ranks (not one per rank: a
         # burst of failures on a loaded node found every spare booting and waited 4 x).
         self._warm_until = self.clock.monotonic() + SPARE_BOOT_WAIT_S
-        if c.hang_timeout_s > 0:
-            for env in envs:
-                wdir = log_dir / f"rank_{env['RANK']}"
-                env["FLEXRUN_PROGRESS_FILE"] = str(wdir / "progress")
-                env["FLEXRUN_STACK_FILE"] = str(wdir / "stacks.txt")
+        paths = {}
+        for env in envs:
+            wdir = log_dir / f"rank_{env['RANK']}"
+            worker_hook.worker_env(env, str(wdir / "progress"), str(wdir / "stacks.txt"))
+            paths[int(env["RANK"])] = wdir / "progress"
+        self.progress.reset(paths)
         self.group = WorkerGroup.start(
             self._command,
             envs,
@@ -174,8 +179,9 @@ class RestartRunner:
     def poll(self) -> Exited | None:
         if self.group is None:
             return None
-        if self.config.hang_timeout_s > 0:
-            self._detect_hangs(self.group)
+        self.progress.update(self.clock.monotonic())
+        if self.hang_limits is not None:
+            self._detect_hangs(self.group, self.hang_limits)
         results = self.group.poll()
         if not results:
             return None
@@ -197,36 +203,45 @@ class RestartRunner:
         peers = len(self.round.members) if self.round is not None else 1
         return Exited(tuple(exits), self.group.all_done(), peers)
 
-    def _detect_hangs(self, group: WorkerGroup) -> None:
-        """A rank that reported progress once and then none for --hang-timeout is hung:
-        capture every local worker's stacks, record them, and fail the rank to blame."""
+    def made_progress(self) -> bool | None:
+        """A step was completed by a worker of the current (or last) round; None: no
+        worker's progress hook is installed, nothing can tell."""
+        return self.progress.made_progress()
+
+    def first_step_mono(self) -> float | None:
+        """When a step of the current round was first seen (monotonic), if one was."""
+        return self.progress.first_step_mono()
+
+    def _detect_hangs(self, group: WorkerGroup, limits: HangLimits) -> None:
+        """A rank silent past its calibrated limit (see :mod:`flexrun.agent.progress`) is
+        hung: capture the stacks of every local worker whose hook is installed (only those
+        answer SIGUSR2; it kills the others), record them, and fail the rank to blame."""
         now = self.clock.wall()
-        silent: dict[int, float] = {}
-        for w in group.workers:
-            if w.result is not None or w.proc.poll() is not None:
-                continue
-            try:
-                age = now - (w.log_dir / "progress").stat().st_mtime
-            except FileNotFoundError:
-                continue  # the script does not report progress: nothing to judge
-            if age > self.config.hang_timeout_s:
-                silent[w.rank] = age
+        alive = [w for w in group.workers if w.result is None and w.proc.poll() is None]
+        silent = self.progress.silent(now, limits, {w.rank for w in alive})
         if not silent:
             return
-        alive = [w for w in group.workers if w.proc.poll() is None]
-        stacks = {w.rank: capture_stacks(w.proc.pid, w.log_dir / "stacks.txt") for w in alive}
+        hooked = [w for w in alive if self.progress.ranks[w.rank].hooked]
+        stacks = {w.rank: capture_stacks(w.proc.pid, w.log_dir / "stacks.txt") for w in hooked}
         blamed = blame_hang(silent, {r: in_collective(s) for r, s in stacks.items()})
         w = next(x for x in alive if x.rank == blamed)
+        rp = self.progress.ranks[blamed]
         hang_dir = self.config.run_dir / "hangs"
-        hang_dir.mkdir(parents=True, exist_ok=True)
         path = hang_dir / f"round_{self.round.number if self.round else 0}_rank_{blamed}.txt"
-        path.write_text(
-            "".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(stacks.items()))
-        )
+        try:
+            hang_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(
+                "".join(f"=== rank {r} ===\n{text}\n" for r, text in sorted(stacks.items()))
+            )
+        except OSError as exc:  # (a full disk must not keep a hung job from recovering)
+            log.warning("could not write the stacks of the hang to %s: %s", path, exc)
         log.error(
-            "rank %d made no progress for %.1fs: stacks in %s; treating it as failed",
+            "rank %d made no progress for %.1fs (limit %.1fs, %s): stacks in %s; "
+            "treating it as failed",
             blamed,
             silent[blamed],
+            rp.limit_s(limits),
+            "before its first step" if rp.steps == 0 else f"after step {rp.steps}",
             path,
         )
         self.events.emit(
@@ -235,6 +250,14 @@ class RestartRunner:
             pid=w.proc.pid,
             silent_s=round(silent[blamed], 2),
             silent_ranks=sorted(silent),
+            limit_s=round(rp.limit_s(limits), 2),
+            steps=rp.steps,
+            step_time_s=round(rp.step_time_s, 4) if rp.step_time_s is not None else None,
+            longest_gap_s=round(rp.longest_gap_s, 3),
+            floor_s=limits.floor_s,
+            cap_s=limits.cap_s,
+            factor=limits.factor,
+            first_step_s=limits.first_step_s,
             stacks_file=str(path),
             stacks=stacks.get(blamed, "")[-20000:],
         )

@@ -26,6 +26,26 @@ class RoundStart(enum.Enum):
     """The running workers carry on in the new round (live mode)."""
 
 
+class LoopProgress:
+    """Live mode's progress, as the agent sees it: the first time a worker of this node was
+    seen in the training loop (its heartbeat). Live failures never count as a crash loop
+    (the survivors' steps are not counted per failure)."""
+
+    first_loop: float | None = None
+
+    def saw_loop(self, mono: float) -> bool:
+        """A worker is in the loop at ``mono`` (monotonic); returns True."""
+        if self.first_loop is None:
+            self.first_loop = mono
+        return True
+
+    def made_progress(self) -> bool | None:
+        return None
+
+    def first_step_mono(self) -> float | None:
+        return self.first_loop
+
+
 class Runner(Protocol):
     """This node's workers for the whole job."""
 
@@ -57,6 +77,16 @@ class Runner(Protocol):
         Raises:
             StoreUnavailable: live mode could not publish a membership change.
         """
+        ...
+
+    def made_progress(self) -> bool | None:
+        """Whether the workers of the current (or last) round completed a training step;
+        None when that cannot be observed (no worker's progress hook is installed)."""
+        ...
+
+    def first_step_mono(self) -> float | None:
+        """When the agent first saw a training step of the running workers (monotonic),
+        or None: productive time counts only from it."""
         ...
 
     def tend(self) -> None:

@@ -36,6 +36,8 @@ from flexrun.config.rdzv_conf import parse_rdzv_conf
 from flexrun.config.settings import (
     BACKENDS,
     DEFAULT_SIGNALS,
+    LIVE_MAX_RESTARTS,
+    LIVE_RESTART_WINDOW_S,
     RendezvousSettings,
     RunConfig,
     StaticJob,
@@ -186,6 +188,14 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
             nnodes=shape.max_nodes, node_rank=shape.static_rank, master_addr=host, master_port=port
         )
         store_endpoints = ((host, static.store_port),)
+    nproc = parse_nproc(a["nproc_per_node"])
+    run_path = bool(a.get("run_path"))
+    module = bool(a["module"]) and not run_path
+    no_python = bool(a["no_python"]) and not run_path
+    mode = resolve_mode(str(a["mode"]), a["training_script"], module=module or no_python)
+    max_restarts = _int(a["max_restarts"], "--max-restarts")
+    if mode == "live" and not _given(a, environ, "max_restarts"):
+        max_restarts = LIVE_MAX_RESTARTS  # (live mode exists to survive failures)
     rdzv = RendezvousSettings(
         min_nodes=shape.min_nodes,
         max_nodes=shape.max_nodes,
@@ -193,8 +203,10 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         join_timeout_s=conf.join_timeout_s,
         heartbeat_interval_s=conf.heartbeat_interval_s,
         heartbeat_timeout_s=conf.heartbeat_timeout_s,
-        max_restarts=_int(a["max_restarts"], "--max-restarts"),
+        max_restarts=max_restarts,
+        restart_window_s=LIVE_RESTART_WINDOW_S if mode == "live" else 0.0,
         static=static is not None,
+        crash_loop_restarts=_int(a["crash_loop_restarts"], "--crash-loop-restarts"),
     )
     store = StoreSettings(
         backend=shape.backend,
@@ -212,11 +224,6 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     log_dir = Path(a["log_dir"]).absolute() if a.get("log_dir") else None
     if log_dir is not None:
         check_dir_arg(log_dir, "--log-dir")
-    nproc = parse_nproc(a["nproc_per_node"])
-    run_path = bool(a.get("run_path"))
-    module = bool(a["module"]) and not run_path
-    no_python = bool(a["no_python"]) and not run_path
-    mode = resolve_mode(str(a["mode"]), a["training_script"], module=module or no_python)
     if bool(a.get("standalone")) and secret is None:
         # (Live workers sign too: the agent gives them the secret as a file,
         # FLEXRUN_JOB_SECRET_FILE, read by flexrun.store.factory.connect_from_env.)

@@ -54,7 +54,17 @@ class RendezvousSettings:
     heartbeat_timeout_s: float = 5.0
     """A node whose keep-alive is older than this is declared lost."""
     max_restarts: int = 3
-    """Failures tolerated per job (membership changes do not count)."""
+    """Failures tolerated per job (membership changes do not count); per
+    ``restart_window_s`` when that is set (live mode's default)."""
+    restart_window_s: float = 0.0
+    """0: ``max_restarts`` counts every failure of the job (torchrun's rule, restart
+    mode). Positive: it counts the failures of the current window of this many seconds (a
+    window opens at the first failure after the last one closed; the round's ``restarts``
+    counts its failures): live mode's rule, so that a long job is not ended by its
+    hundredth failure in a month."""
+    crash_loop_restarts: int = 3
+    """A job whose failed rounds completed no step this many restarts in a row (and then
+    once more) ends with exit code 86 (NO_PROGRESS: do not requeue); 0: off."""
     static: bool = False
     """A fixed world (torchrun's static rendezvous, :class:`StaticJob`): a round holds
     exactly ``max_nodes`` nodes ordered by node rank, and a lost node is a failure of the
@@ -72,6 +82,18 @@ class RendezvousSettings:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
+        if self.crash_loop_restarts < 0:
+            raise ConfigError(
+                f"--crash-loop-restarts {self.crash_loop_restarts}: must be 0 (off) or more"
+            )
+
+
+LIVE_MAX_RESTARTS = 10
+"""Live mode's --max-restarts when none is given: failures per LIVE_RESTART_WINDOW_S."""
+LIVE_RESTART_WINDOW_S = 3600.0
+"""Live mode counts --max-restarts per window of this many seconds (restart mode: per job)."""
+CRASH_LOOP_RESTARTS = 3
+"""--crash-loop-restarts' default."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -259,9 +281,10 @@ class RunConfig:
     """Live mode: idle worker processes kept ready (torch imported) to replace a dead one."""
     spares_dir: Path | None = None
     """The node's ``flexrun spares`` directory: spares are taken from it first (None: off)."""
-    hang_timeout_s: float = 0.0
-    """A rank that reported progress (flexrun.train.report_progress) and then none for this
-    long is hung: its stacks are captured and it is treated as failed. 0: off."""
+    hang_timeout_s: float = 60.0
+    """The least silence after which a rank is hung (its stacks are captured and it is
+    treated as failed); the limit is calibrated from the rank's observed steps
+    (:mod:`flexrun.agent.progress`). 0: off."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (off when None)."""
     metrics_host: str = "127.0.0.1"

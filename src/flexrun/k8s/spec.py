@@ -88,7 +88,9 @@ from flexrun.k8s.spec_types import (
 from flexrun.k8s.spec_types import DNS1035 as _DNS1035
 from flexrun.k8s.spec_types import DNS1123 as _DNS1123
 
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
 _ENV_FROM_KINDS = ("secretRef", "configMapRef")
 #: Credential variables an object store reads: only ever by reference (``spec.envFrom``).
 _CREDENTIAL_ENV = frozenset(
@@ -207,9 +209,7 @@ class JobSpec:
         if self.service_account is not None and (
             len(self.service_account) > 253 or not _DNS1123_SUBDOMAIN.match(self.service_account)
         ):
-            raise fail(
-                "spec.serviceAccountName", f"{self.service_account!r} is not a valid name"
-            )
+            raise fail("spec.serviceAccountName", f"{self.service_account!r} is not a valid name")
         if (
             self.checkpoint is not None
             and self.checkpoint.has_volume

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
+from flexrun.exitcodes import NO_PROGRESS
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
@@ -133,16 +134,49 @@ def _exhausted(number: int, restarts: int, cause: FailureCause | None) -> RoundR
     return RoundRecord(number, FAILED, (), restarts, "restarts_exhausted", code, cause)
 
 
+def _stalled(current: RoundRecord, progressed: bool | None) -> int:
+    """Failures in a row without a completed step, counting this one (``progressed``
+    None: nobody could observe steps, which never counts as a stall)."""
+    return current.stalled + 1 if progressed is False else 0
+
+
+def _crash_loop(settings: RendezvousSettings, stalled: int) -> bool:
+    return settings.crash_loop_restarts > 0 and stalled > settings.crash_loop_restarts
+
+
+def _no_progress(number: int, restarts: int, stalled: int, c: FailureCause | None) -> RoundRecord:
+    return RoundRecord(number, FAILED, (), restarts, "no_progress", NO_PROGRESS, c, stalled=stalled)
+
+
 def counted_failure(
-    current: RoundRecord, settings: RendezvousSettings, cause: FailureCause | None
+    current: RoundRecord,
+    settings: RendezvousSettings,
+    cause: FailureCause | None,
+    *,
+    now: float = 0.0,
+    progressed: bool | None = None,
 ) -> RoundRecord:
     """Live mode: ``current`` with one more failure counted against --max-restarts (the
     members and the round number stay: survivors keep running), or the job's FAILED round
-    once restarts are spent; the same rule as :func:`next_round` with ``failure=True``."""
+    once restarts are spent. With ``settings.restart_window_s`` the budget is per window
+    (``now``: wall time; a failure after the window ended opens a new one)."""
     restarts = current.restarts + 1
-    if restarts > settings.max_restarts:
-        return _exhausted(current.number + 1, restarts, cause)
-    return dataclasses.replace(current, restarts=restarts, exit_code=0)
+    stalled = _stalled(current, progressed)
+    if _crash_loop(settings, stalled):
+        return _no_progress(current.number + 1, restarts, stalled, cause)
+    window, counted = settings.restart_window_s, restarts
+    start = current.window
+    if window > 0 and (current.restarts == 0 or now - start >= window):
+        start, counted = now, 1  # a new window: its failures are counted afresh
+    if counted > settings.max_restarts:
+        return _exhausted(current.number + 1, counted, cause)
+    return dataclasses.replace(
+        current,
+        restarts=counted,
+        stalled=stalled,
+        window=start,
+        exit_code=0,
+    )
 
 
 def failure_round(
@@ -151,17 +185,29 @@ def failure_round(
     cause: FailureCause | None,
     *,
     floor: int = 0,
+    progressed: bool | None = None,
 ) -> RoundRecord:
     """Restart mode: the round after a worker failure, with the same members (their
     member list, and so its slices, are reused: any node can propose it with one
     compare-and-set); the watcher removes a member that is also gone in a round of its
-    own. The job's FAILED round once restarts are spent."""
+    own. The job's FAILED round once restarts are spent: exit code 86 (NO_PROGRESS)
+    when this failure and the ``crash_loop_restarts`` before it all came from rounds that
+    completed no step (``progressed`` False), else the failing worker's code."""
     number = max(current.number, floor) + 1
     restarts = current.restarts + 1
+    stalled = _stalled(current, progressed)
+    if _crash_loop(settings, stalled):
+        return _no_progress(number, restarts, stalled, cause)
     if restarts > settings.max_restarts:
         return _exhausted(number, restarts, cause)
     return dataclasses.replace(
-        current, number=number, restarts=restarts, reason="failure", exit_code=0, root_cause=cause
+        current,
+        number=number,
+        restarts=restarts,
+        stalled=stalled,
+        reason="failure",
+        exit_code=0,
+        root_cause=cause,
     )
 
 

@@ -56,7 +56,9 @@ class Follower:
 
     def with_slice(self, rnd: RoundRecord) -> RoundRecord:
         h = self.h
-        return dataclasses.replace(with_loader(h.store, h.keys, rnd), mine=self.slices.get(rnd.digest))
+        return dataclasses.replace(
+            with_loader(h.store, h.keys, rnd), mine=self.slices.get(rnd.digest)
+        )
 
     def attach(self, hdr: RoundRecord | None) -> RoundRecord | None:
         """``hdr`` with this node's slice (read once per member list) and its member list

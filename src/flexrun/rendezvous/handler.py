@@ -48,7 +48,6 @@ from flexrun.store.signed import is_signed, report_to
 log = logging.getLogger("flexrun.rendezvous")
 
 
-
 def free_port(addr: str) -> int:
     """A port the OS says is free on ``addr`` now (the caller's workers bind it next)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -127,7 +126,9 @@ class RendezvousHandler:
         # The keep-alive carries the node record: a store that lost the record (restarted)
         # still knows the node from its next beat.
         self.store.put(
-            self.keys.heartbeat(self.me.node_id), self._me_raw, ttl_s=self.settings.heartbeat_timeout_s
+            self.keys.heartbeat(self.me.node_id),
+            self._me_raw,
+            ttl_s=self.settings.heartbeat_timeout_s,
         )
 
     def leave(self) -> None:
@@ -170,7 +171,10 @@ class RendezvousHandler:
             return self._header, entry.revision
         if (rnd.number, rnd.seq) < self._newest:
             self.replayed = True
-            self.rejected(self.keys.round, f"round {rnd.number} is older than round {self._newest[0]} (replayed)")
+            self.rejected(
+                self.keys.round,
+                f"round {rnd.number} is older than round {self._newest[0]} (replayed)",
+            )
             return self._header, entry.revision
         self.note_header(rnd)
         return rnd, entry.revision
@@ -312,14 +316,19 @@ class RendezvousHandler:
                 self.note_header(rec)
                 return self._with_mine(rec)
 
-    def report_failure(self, failed_round: int, root_cause: FailureCause) -> RoundRecord:
+    def report_failure(
+        self, failed_round: int, root_cause: FailureCause, *, progressed: bool | None = None
+    ) -> RoundRecord:  # noqa: E501
         """Start the next round after a worker failure (or end the job if restarts are
-        spent); a round someone already moved on from is returned as it is."""
+        spent, or in a crash loop: ``progressed`` False); a round someone already moved
+        on from is returned as it is."""
 
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.number != failed_round or r.state != RUNNING:
                 return None
-            return failure_round(r, self.settings, root_cause, floor=self.floor)
+            return failure_round(
+                r, self.settings, root_cause, floor=self.floor, progressed=progressed
+            )  # noqa: E501
 
         return self._rewrite(make) or self._round_lost()
 
@@ -332,12 +341,17 @@ class RendezvousHandler:
         known = self.known_round
         return known if known is not None else RoundRecord(self.floor, PENDING, (), 0, "lost")
 
-    def count_failure(self, root_cause: FailureCause) -> RoundRecord:
+    def count_failure(
+        self, root_cause: FailureCause, *, progressed: bool | None = None
+    ) -> RoundRecord:  # noqa: E501
         """Live mode: count a failure against --max-restarts without changing the round
         (survivors keep running); end the job if restarts are spent."""
+        now = self.clock.wall()
 
         def make(r: RoundRecord) -> RoundRecord | None:
-            return counted_failure(r, self.settings, root_cause) if r.state == RUNNING else None
+            if r.state != RUNNING:
+                return None
+            return counted_failure(r, self.settings, root_cause, now=now, progressed=progressed)
 
         return self._rewrite(make) or self._round_lost()
 
@@ -347,6 +361,8 @@ class RendezvousHandler:
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.state in (CLOSED, FAILED):
                 return None
-            return dataclasses.replace(r, state=CLOSED, reason="finished", exit_code=0, root_cause=None)
+            return dataclasses.replace(
+                r, state=CLOSED, reason="finished", exit_code=0, root_cause=None
+            )
 
         self._rewrite(make)

@@ -1,15 +1,13 @@
 """Records the rendezvous keeps in the store: schema-versioned JSON, O(1) bytes per node.
 
 Owns the key layout and (de)serialisation, and reading a round back as an outside reader
-sees it (:func:`read_round`: the header, with its member list read from its chunks on
-first use; ``flexrun status`` and the handler's lazy lists). Writing and every decision
-live elsewhere (``records.py``, ``decide.py``, ``follow.py``).
+sees it (:func:`read_round`: the header, its member list read from its chunks on first
+use). Writing and every decision live elsewhere (``records.py``, ``decide.py``...).
 
 Layout under ``flexrun/<run_id>/``:
 
 - ``s/round/current``   the round *header* (:meth:`RoundRecord.header`): number, state,
-  node count, world size, the member list's digest, restarts, reason, root cause, a write
-  sequence; changed only by compare-and-set; a few hundred bytes at any N
+  nodes, world size, member list digest, restarts, reason, root cause, a write sequence
 - ``s/round/watcher``   who watches membership and proposes rounds (:class:`Claim`)
 - ``s/nodes/<node_id>`` a :class:`NodeRecord` per joined node (deleted on graceful leave)
 - ``s/ask/<node_id>``   a node that found no slice for the current round asks for it
@@ -19,10 +17,9 @@ Layout under ``flexrun/<run_id>/``:
   (:class:`Slice`: group rank, first global rank, node count, world size)
 - ``r/<digest>/m/<i>``  the member list itself in chunks of :data:`CHUNK` members
 
-A member list is written once per membership (a failure restart, closing the job or
-counting a live failure keeps the digest, so it rewrites the header alone). A node reads
-the header and its own slice; only the watcher (and ``flexrun status``) read the list.
-Everything agents watch lives under ``s/``; followers watch ``s/round/`` alone.
+A member list is written once per membership (a restart, closing, a live failure: the
+header alone). A node reads the header and its own slice; only the watcher and ``flexrun
+status`` read the list. Agents watch ``s/``, followers ``s/round/`` alone.
 """
 
 from __future__ import annotations
@@ -133,7 +130,9 @@ class NodeRecord:
                 node_id=str(d["node_id"]),
                 addr=str(d["addr"]),
                 nproc=int(d["nproc"]),
-                pid=int(d.get("pid", 0)), rank=int(d.get("rank", -1)))
+                pid=int(d.get("pid", 0)),
+                rank=int(d.get("rank", -1)),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt node record: {exc}") from exc
 
@@ -320,6 +319,8 @@ class RoundRecord:
     """Digest of the previous distinct member list (its records are deleted next)."""
     mine: Slice | None = field(default=None, compare=False)
     """The reading node's own slice (followers), when it read one."""
+    stalled: int = 0  # failures in a row that completed no step (--crash-loop-restarts)
+    window: float = 0.0  # with restart_window_s: its start (wall); restarts counts in it
 
     @property
     def digest(self) -> str:
@@ -365,6 +366,8 @@ class RoundRecord:
             "number": self.number,
             "state": self.state,
             "restarts": self.restarts,
+            "stalled": self.stalled,
+            "window": self.window,
             "reason": self.reason,
             "exit_code": self.exit_code,
             "root_cause": self.root_cause.to_dict() if self.root_cause is not None else {},
@@ -410,6 +413,8 @@ class RoundRecord:
                 state=str(d["state"]),
                 members=members,
                 restarts=int(d.get("restarts", 0)),
+                stalled=int(d.get("stalled", 0)),
+                window=float(d.get("window", 0.0)),
                 reason=str(d.get("reason", "")),
                 exit_code=int(d.get("exit_code", 0)),
                 root_cause=FailureCause.from_dict(d.get("root_cause")),

@@ -80,8 +80,7 @@ def lost_cause(r: RoundRecord, gone: list[str], lost: bool, timeout_s: float) ->
     return FailureCause(
         exit_code=NODE_LOST,
         message=(
-            f"node {node} (node rank {ids.index(node)}) of the static job was lost: "
-            f"{how}{others}"
+            f"node {node} (node rank {ids.index(node)}) of the static job was lost: {how}{others}"
         ),
         node=node,
         round=r.number,

@@ -147,7 +147,9 @@ class Watcher:
             rec = next_round(None, alive, h.settings, "round_repaired", floor=h.floor)
             if h.settings.static:
                 world = static_members(alive, h.settings.max_nodes)
-                rec = dataclasses.replace(rec, members=world or (), state=RUNNING if world else PENDING)
+                rec = dataclasses.replace(
+                    rec, members=world or (), state=RUNNING if world else PENDING
+                )
             action = Propose(rec, cur.number, joined=tuple(rec.member_ids))
         if asks:
             self.answer(asks, cur)
@@ -187,14 +189,21 @@ class Watcher:
         for n in p.left:
             h.events.emit("node_left", node_id=n, round=rec.number)
         if rec.reason == "scale_up":
-            h.events.emit("scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members))
+            h.events.emit(
+                "scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members)
+            )
         elif rec.reason in ("node_lost", "node_left"):
             h.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
         if cur is not None and cur.digest != digest and cur.prev not in ("", digest, cur.digest):
             h.store.delete_prefix(h.keys.members_of(cur.prev))  # two lists back: nobody reads it
             self.lists.pop(cur.prev, None)
-        log.info("round %d proposed (%s): %d node(s) %s", rec.number, rec.reason,
-                 len(rec.members), rec.member_ids[:8] if rec.members else rec.state)
+        log.info(
+            "round %d proposed (%s): %d node(s) %s",
+            rec.number,
+            rec.reason,
+            len(rec.members),
+            rec.member_ids[:8] if rec.members else rec.state,
+        )
         return True
 
     def answer(self, asks: dict[str, Entry], cur: RoundRecord | None) -> None:

@@ -15,6 +15,7 @@ import torch  # (the point of a spare: pay these imports before they are needed)
 import torch.distributed  # noqa: F401
 
 import flexrun.train.live  # noqa: F401
+from flexrun import worker_hook
 from flexrun.spares.become import serve_assignment
 
 
@@ -25,8 +26,13 @@ def _size_threads(env: Mapping[str, str]) -> None:
         torch.set_num_threads(int(threads))
 
 
+def _prepare(env: Mapping[str, str]) -> None:
+    _size_threads(env)
+    worker_hook.adopt()  # (the progress hook a cold worker gets from its sitecustomize)
+
+
 def main() -> int:
-    return serve_assignment(prepare=_size_threads)
+    return serve_assignment(prepare=_prepare)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,9 @@ class EtcdStore:
             try:
                 tls = tls_context(cacert, cert, key)
             except (OSError, ValueError) as exc:
-                raise ConfigError(f"--rdzv-conf cacert/cert/key: unusable TLS files: {exc}") from exc
+                raise ConfigError(
+                    f"--rdzv-conf cacert/cert/key: unusable TLS files: {exc}"
+                ) from exc
         self._cluster = Cluster(
             [Transport(h, p, tls) for h, p in self.endpoints],
             user=user,
@@ -345,7 +347,12 @@ class EtcdStore:
         compare = (
             {"key": bkey, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
             if expected_revision == 0
-            else {"key": bkey, "result": "EQUAL", "target": "MOD", "mod_revision": expected_revision}
+            else {
+                "key": bkey,
+                "result": "EQUAL",
+                "target": "MOD",
+                "mod_revision": expected_revision,
+            }
         )
         # No failure branch: a loser learns that it lost, not the winner's value.
         txn = {"compare": [compare], "success": [{"request_put": {"key": bkey, "value": bvalue}}]}

@@ -45,9 +45,7 @@ class EtcdRefused(Exception):
         self.text = text
 
 
-def tls_context(
-    cacert: str | None, cert: str | None, key: str | None
-) -> ssl.SSLContext:
+def tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
     """A client TLS context verifying against ``cacert`` (else the system store)."""
     ctx = ssl.create_default_context(cafile=cacert)
     if cert is not None and key is not None:
@@ -95,8 +93,12 @@ class Transport:
             self._open.remove(conn)
 
     def _send(
-        self, conn: http.client.HTTPConnection, path: str, payload: Mapping[str, Any],
-        timeout_s: float, token: str | None,
+        self,
+        conn: http.client.HTTPConnection,
+        path: str,
+        payload: Mapping[str, Any],
+        timeout_s: float,
+        token: str | None,
     ) -> http.client.HTTPResponse:
         body = json.dumps(payload, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"}

@@ -154,7 +154,12 @@ class SignedStore:
             with self._lock:
                 last = self._sealed.get(key)
             now = self._clock.monotonic()
-            if last is not None and last[0] == value and last[1] == ttl_s and now - last[3] < ttl_s / 2:
+            if (
+                last is not None
+                and last[0] == value
+                and last[1] == ttl_s
+                and now - last[3] < ttl_s / 2
+            ):
                 return last[2]
             raw = seal(self._secret, key, value, self._seq(), ttl_s)
             with self._lock:

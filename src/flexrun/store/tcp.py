@@ -38,7 +38,6 @@ this client has seen its revision unchanged for ``ttl_s`` seconds of its own mon
 clock, which needs no agreement between hosts' clocks.
 """
 
-
 from __future__ import annotations
 
 import threading

@@ -92,7 +92,9 @@ def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float 
         "--log-dir", str(out.parent / "reference-steps"), "--final", str(out),
         *(["--live"] if live else []),
     ]  # fmt: skip
-    done = subprocess.run(argv, env=worker_env(), timeout=timeout_s, capture_output=True, cwd=out.parent)
+    done = subprocess.run(
+        argv, env=worker_env(), timeout=timeout_s, capture_output=True, cwd=out.parent
+    )
     if done.returncode != 0:
         tail = (done.stdout + done.stderr).decode(errors="replace")[-1500:]
         raise subprocess.SubprocessError(f"exit {done.returncode}: {tail}")

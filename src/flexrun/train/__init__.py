@@ -48,4 +48,3 @@ __all__ = [
     "shutdown",
     "storage_options_from_env",
 ]
-

@@ -451,8 +451,10 @@ class RenameCommit:
         return Manifest.from_json(self.storage.read_bytes(self.storage.join(d, MANIFEST)))
 
     def read_chunks(self, step: int, manifest: Manifest, name: str) -> Iterator[bytes]:
-        d = self.path(step_dir_name(step), manifest.data_dir) if manifest.data_dir else (
-            self.path(step_dir_name(step))
+        d = (
+            self.path(step_dir_name(step), manifest.data_dir)
+            if manifest.data_dir
+            else (self.path(step_dir_name(step)))
         )
         if name not in self.storage.list_dir(d):
             raise CheckpointError(f"{step_dir_name(step)}/{name}: file missing")
@@ -470,4 +472,3 @@ class RenameCommit:
 
     def read_latest(self) -> int | None:
         return read_latest(self.storage, self.root)
-

@@ -129,7 +129,9 @@ class ObjectCommit:
             except PreconditionFailed:
                 continue  # another writer moved the fence meanwhile: read it again
         else:
-            raise CheckpointError(f"could not claim the checkpoint fence of {self.path()}: contended")
+            raise CheckpointError(
+                f"could not claim the checkpoint fence of {self.path()}: contended"
+            )
         try:
             self._remove_stale(generation)
         except CheckpointError as exc:  # leftovers only cost space; the next writer retries
@@ -300,7 +302,8 @@ class ObjectCommit:
         stale = [
             self.store.join(prefix, rel)
             for rel in self.store.listing(prefix)
-            if rel != MANIFEST and _stale(rel.split("/", 1)[0], staged.generation, keep=staged.data_dir)
+            if rel != MANIFEST
+            and _stale(rel.split("/", 1)[0], staged.generation, keep=staged.data_dir)
         ]
         self.store.delete(stale)
 

@@ -288,9 +288,7 @@ class ShardedCheckpointer(RankZero):
         staged, error = None, None
         if self._ctx.is_main:
             try:
-                staged = self._proto.begin(
-                    step, round=self._ctx.round, generation=self._generation
-                )
+                staged = self._proto.begin(step, round=self._ctx.round, generation=self._generation)
             except CheckpointError as exc:
                 error = str(exc)
         staged, error = self._broadcast((staged, error))

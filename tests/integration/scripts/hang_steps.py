@@ -11,7 +11,9 @@ import flexrun.train as ft
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=30)
-p.add_argument("--marker", required=True, help="created before the one hang, so a restart does not hang")
+p.add_argument(
+    "--marker", required=True, help="created before the one hang, so a restart does not hang"
+)
 a = p.parse_args()
 
 

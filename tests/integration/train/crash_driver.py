@@ -118,7 +118,9 @@ def leftovers(root: str) -> tuple[bool, bool]:
     for step in proto.steps():
         m = proto.read_manifest(step)
         named |= {f"step_{step}/{m.data_dir}/{n}" for n in m.files}
-    keys = [k for k in store.listing(proto.root) if k.startswith("step_") and "/manifest.json" not in k]
+    keys = [
+        k for k in store.listing(proto.root) if k.startswith("step_") and "/manifest.json" not in k
+    ]
     return any(k not in named for k in keys), bool(store.incomplete_uploads(proto.root))
 
 

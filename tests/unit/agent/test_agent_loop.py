@@ -65,7 +65,9 @@ class FakeRendezvous:
     def wait(self, timeout_s: float) -> bool:
         return False
 
-    def report_failure(self, failed_round: int, cause: FailureCause) -> RoundRecord:
+    def report_failure(
+        self, failed_round: int, cause: FailureCause, *, progressed: bool | None = None
+    ) -> RoundRecord:
         if self.fail_reports:
             self.fail_reports -= 1
             raise StoreUnavailable("store down")
@@ -74,7 +76,7 @@ class FakeRendezvous:
         self.round = RoundRecord(rec.number, RUNNING, rec.members, rec.restarts, "failure")
         return self.round
 
-    def count_failure(self, cause: FailureCause) -> RoundRecord:
+    def count_failure(self, cause: FailureCause, *, progressed: bool | None = None) -> RoundRecord:
         self.counted.append(cause)
         assert self.round is not None
         return self.round
@@ -93,6 +95,14 @@ class FakeRunner:
         self.stops: list[float] = []
         self.running = False
         self.closed = False
+        self.progressed: bool | None = None
+        self.first_step: float | None = None
+
+    def made_progress(self) -> bool | None:
+        return self.progressed
+
+    def first_step_mono(self) -> float | None:
+        return self.first_step
 
     @property
     def active(self) -> bool:

@@ -182,7 +182,7 @@ def test_restart_runner_blames_and_ends_a_silent_rank(tmp_path: Path) -> None:
     w0, w1 = runner.group.workers  # type: ignore[union-attr]
     now = runner.clock.wall()
     for w, age in ((w0, 100.0), (w1, 1.0)):
-        (w.log_dir / "progress").touch()
+        (w.log_dir / "progress").write_text("5 0\n")  # (past its first step)
         os.utime(w.log_dir / "progress", (now - age, now - age))
     ev = runner.poll()
     assert isinstance(ev, p.Exited)

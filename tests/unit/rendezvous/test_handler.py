@@ -175,7 +175,9 @@ def test_a_watcher_that_leaves_hands_over_at_once_and_strands_no_round() -> None
     assert cur.round.reason == "node_left"
 
 
-def test_a_watcher_killed_after_the_round_formed_is_replaced_within_timeout_plus_two_checks() -> None:
+def test_a_watcher_killed_after_the_round_formed_is_replaced_within_timeout_plus_two_checks() -> (
+    None
+):
     clock = FakeClock()
     store = MemoryStore(clock)
     a, b = _round_of_two(clock, store)
@@ -589,11 +591,23 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
 
     store = MemoryStore()
     s = RendezvousSettings(min_nodes=2, max_nodes=3, last_call_s=0)
-    a = RendezvousHandler(store, run_id="job", me=NodeRecord("a", "h", 1), settings=s,
-                          events=EventLog(None, run_id="job", node="a"), clock=SYSTEM_CLOCK)
+    a = RendezvousHandler(
+        store,
+        run_id="job",
+        me=NodeRecord("a", "h", 1),
+        settings=s,
+        events=EventLog(None, run_id="job", node="a"),
+        clock=SYSTEM_CLOCK,
+    )
     spy = Waits(store)
-    b = RendezvousHandler(spy, run_id="job", me=NodeRecord("b", "h", 1), settings=s,  # type: ignore[arg-type]
-                          events=EventLog(None, run_id="job", node="b"), clock=SYSTEM_CLOCK)
+    b = RendezvousHandler(
+        spy,
+        run_id="job",
+        me=NodeRecord("b", "h", 1),
+        settings=s,  # type: ignore[arg-type]
+        events=EventLog(None, run_id="job", node="b"),
+        clock=SYSTEM_CLOCK,
+    )
     for h in (a, b):
         h._beat()
         store.put(h.keys.node(h.me.node_id), h.me.encode())
@@ -606,8 +620,14 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
         assert b.step(1) == Wait("training")
         ticks += 1
     assert ticks >= 10 and spy.waits <= 2, (ticks, spy.waits)
-    c = RendezvousHandler(store, run_id="job", me=NodeRecord("c", "h", 1), settings=s,
-                          events=EventLog(None, run_id="job", node="c"), clock=SYSTEM_CLOCK)
+    c = RendezvousHandler(
+        store,
+        run_id="job",
+        me=NodeRecord("c", "h", 1),
+        settings=s,
+        events=EventLog(None, run_id="job", node="c"),
+        clock=SYSTEM_CLOCK,
+    )
     c._beat()
     store.put(c.keys.node("c"), c.me.encode())
     threading.Timer(0.2, lambda: a.step(1)).start()  # the watcher proposes [a, b, c]

@@ -8,7 +8,9 @@ from flexrun.rendezvous.decide import Exit, Propose, Run, Stop, View, Wait
 from flexrun.rendezvous.state import FAILED, PENDING, RUNNING, Member, NodeRecord, RoundRecord
 from flexrun.rendezvous.static import decide_static
 
-S = RendezvousSettings(min_nodes=2, max_nodes=2, max_restarts=1, heartbeat_timeout_s=3.0, static=True)
+S = RendezvousSettings(
+    min_nodes=2, max_nodes=2, max_restarts=1, heartbeat_timeout_s=3.0, static=True
+)
 
 
 def nodes(*spec: tuple[str, int]) -> dict[str, tuple[NodeRecord, int]]:

@@ -65,7 +65,9 @@ def test_a_secret_file_others_can_read_is_used_with_a_warning(
 
 def test_the_etcd_password_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
     f = _file(tmp_path, "pw", "pw-from-file\n")
-    assert store_credentials({"password_file": f}, {"FLEXRUN_ETCD_PASSWORD": "x"})[2] == "pw-from-file"
+    assert (
+        store_credentials({"password_file": f}, {"FLEXRUN_ETCD_PASSWORD": "x"})[2] == "pw-from-file"
+    )
     assert store_credentials({}, {"FLEXRUN_ETCD_PASSWORD_FILE": f})[2] == "pw-from-file"
     assert store_credentials({}, {"FLEXRUN_ETCD_PASSWORD": "pw"})[2] == "pw"
     settings = StoreSettings(backend="etcd", password="pw", secret=b"s" * 16)

@@ -93,7 +93,9 @@ def test_junk_over_a_record_keeps_the_last_verified_value_and_cannot_block_a_cas
     after = signed.get("job/s/round/current")
     assert after is not None and after.value == b"round 1" and after.revision == seen.revision
     # The writer's compare-and-set (expecting what it verified) goes through the junk.
-    ok, entry = signed.compare_and_set("job/s/round/current", b"round 2", expected_revision=seen.revision)
+    ok, entry = signed.compare_and_set(
+        "job/s/round/current", b"round 2", expected_revision=seen.revision
+    )
     assert ok and entry is not None
     assert signed.get("job/s/round/current").value == b"round 2"  # type: ignore[union-attr]
     assert len(rejected) == 1

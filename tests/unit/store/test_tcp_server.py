@@ -21,7 +21,9 @@ def _listening(port: int) -> set[str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("host", "expected"), [("127.0.0.1", {"127.0.0.1"}), ("0.0.0.0", {"0.0.0.0"})])
+@pytest.mark.parametrize(
+    ("host", "expected"), [("127.0.0.1", {"127.0.0.1"}), ("0.0.0.0", {"0.0.0.0"})]
+)
 def test_the_server_binds_the_address_it_is_told(host: str, expected: set[str]) -> None:
     server = TcpStoreServer(host, 0)
     try:

@@ -31,8 +31,11 @@ a = p.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 rnd = int(os.environ.get("FLEXRUN_ROUND", "0"))
-events = EventLog(os.environ["FLEXRUN_RUN_DIR"], run_id=os.environ["FLEXRUN_RUN_ID"],
-                  node=os.environ["FLEXRUN_NODE"])
+events = EventLog(
+    os.environ["FLEXRUN_RUN_DIR"],
+    run_id=os.environ["FLEXRUN_RUN_ID"],
+    node=os.environ["FLEXRUN_NODE"],
+)
 events.round = rnd
 
 model = DDP(torch.nn.Linear(16, 1))
@@ -59,8 +62,16 @@ while True:
     time.sleep(a.step_time)
     step += 1
     window_steps += 1
-    line = json.dumps({"ts": time.time(), "round": rnd, "rank": rank, "world": world, "step": step,
-                       "pid": os.getpid()})
+    line = json.dumps(
+        {
+            "ts": time.time(),
+            "round": rnd,
+            "rank": rank,
+            "world": world,
+            "step": step,
+            "pid": os.getpid(),
+        }
+    )
     fd = os.open(a.progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.write(fd, (line + "\n").encode())
     os.close(fd)
@@ -69,16 +80,27 @@ while True:
     now = time.monotonic()
     if now - window_t >= a.metrics_every_s:
         sps = window_steps / (now - window_t)
-        events.emit("train_metrics", rank=0, step=step, steps_per_s=round(sps, 3),
-                    samples_per_s=round(sps * a.batch * world, 3), loss=round(loss.item(), 5))
+        events.emit(
+            "train_metrics",
+            rank=0,
+            step=step,
+            steps_per_s=round(sps, 3),
+            samples_per_s=round(sps * a.batch * world, 3),
+            loss=round(loss.item(), 5),
+        )
         window_t, window_steps = now, 0
     if step % a.ckpt_every == 0:
         t0 = time.monotonic()
         tmp = a.ckpt + ".tmp"
         torch.save({"model": model.module.state_dict(), "step": step}, tmp)
         os.replace(tmp, a.ckpt)
-        events.emit("checkpoint_saved", rank=0, step=step, bytes=os.path.getsize(a.ckpt),
-                    stall_s=round(time.monotonic() - t0, 4))
+        events.emit(
+            "checkpoint_saved",
+            rank=0,
+            step=step,
+            bytes=os.path.getsize(a.ckpt),
+            stall_s=round(time.monotonic() - t0, 4),
+        )
 
 dist.barrier()
 dist.destroy_process_group()
