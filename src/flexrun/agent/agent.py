@@ -105,7 +105,7 @@ class Agent:
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
-        previous = self._install_signals()
+        previous = _install_signals()
         try:
             code = self._join()
             if code is None:
@@ -127,7 +127,7 @@ class Agent:
             self._stop(0, productive=True)
             self.runner.close()
             self.rdzv.leave()
-            self._restore_signals(previous)
+            _restore_signals(previous)
 
     def _finish(self, code: int) -> None:
         wall = self.clock.monotonic() - self._started
@@ -139,23 +139,6 @@ class Agent:
             ettr=round(self.uptime.total_s / wall, 4) if wall > 0 else None,
             rounds_run=self._runs,
         )
-
-    # -- signals ----------------------------------------------------------------------------
-    def _install_signals(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            raise _Terminated(signum)
-
-        return {
-            s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        }
-
-    @staticmethod
-    def _restore_signals(previous: dict[int, Any]) -> None:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> int:
@@ -388,6 +371,24 @@ class Agent:
         self._outage_tries += 1
         self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))
         return False
+
+
+# -- signals ------------------------------------------------------------------------------------
+def _install_signals() -> dict[int, Any]:
+    """SIGTERM/INT/HUP raise :class:`_Terminated` in the main thread (the loop stops the
+    workers, leaves and exits 128+N); the previous handlers, to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated(signum)
+
+    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, h in previous.items():
+        signal.signal(sig, h)
 
 
 def _window(window_s: float) -> str:

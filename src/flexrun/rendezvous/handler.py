@@ -274,24 +274,10 @@ class RendezvousHandler:
                 rec = MasterRecord.decode(entry.value)
             self._known_master = (rnd.number, rec)
             return rec
-        deadline = self.clock.monotonic() + timeout_s
-        while True:
-            rev = self.store.revision()
-            entry = self.store.get(key)
-            if entry is not None:
-                found = MasterRecord.decode(entry.value)
-                self._known_master = (rnd.number, found)
-                return found
-            # Not published yet. Decide as the agent's loop would: rank 0's node may have
-            # left or died before publishing, and this agent, waiting here, may be the only
-            # one left to replace the round (a proposal made here returns Wait).
-            action = self.step(None)
-            if not isinstance(action, Run) or action.round.number != rnd.number:
-                return None
-            remaining = deadline - self.clock.monotonic()
-            if remaining <= 0:
-                return None
-            self.store.wait_for_change(self.keys.master_dir, rev, min(remaining, 1.0))
+        found = _await_master(self, key, rnd.number, timeout_s)
+        if found is not None:
+            self._known_master = (rnd.number, found)
+        return found
 
     # -- failure and completion --------------------------------------------------------------
     def _with_mine(self, rnd: RoundRecord) -> RoundRecord:
@@ -366,3 +352,26 @@ class RendezvousHandler:
             )
 
         self._rewrite(make)
+
+
+def _await_master(
+    h: RendezvousHandler, key: str, number: int, timeout_s: float
+) -> MasterRecord | None:
+    """Wait for round ``number``'s master record under ``key`` (None: the round moved on,
+    or ``timeout_s`` passed)."""
+    deadline = h.clock.monotonic() + timeout_s
+    while True:
+        rev = h.store.revision()
+        entry = h.store.get(key)
+        if entry is not None:
+            return MasterRecord.decode(entry.value)
+        # Not published yet. Decide as the agent's loop would: rank 0's node may have
+        # left or died before publishing, and this agent, waiting here, may be the only
+        # one left to replace the round (a proposal made here returns Wait).
+        action = h.step(None)
+        if not isinstance(action, Run) or action.round.number != number:
+            return None
+        remaining = deadline - h.clock.monotonic()
+        if remaining <= 0:
+            return None
+        h.store.wait_for_change(h.keys.master_dir, rev, min(remaining, 1.0))

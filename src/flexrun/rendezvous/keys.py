@@ -1,0 +1,41 @@
+"""The key names of one job's rendezvous records (the layout: :mod:`flexrun.rendezvous.state`)."""
+
+from __future__ import annotations
+
+
+class Keys:
+    """Key names of one job."""
+
+    def __init__(self, run_id: str) -> None:
+        self.root = f"flexrun/{run_id}/"
+        self.watched = self.root + "s/"
+        self.round_dir = self.watched + "round/"
+        self.round = self.round_dir + "current"
+        self.watcher = self.round_dir + "watcher"
+        self.nodes = self.watched + "nodes/"
+        self.asks = self.watched + "ask/"
+        self.master_dir = self.watched + "master/"
+        self.heartbeats = self.root + "hb/"
+        self.data = self.root + "r/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def heartbeat(self, node_id: str) -> str:
+        return self.heartbeats + node_id
+
+    def master(self, round_number: int) -> str:
+        return f"{self.master_dir}{round_number}"
+
+    def ask(self, node_id: str) -> str:
+        return self.asks + node_id
+
+    def members_of(self, digest: str) -> str:
+        """Prefix of everything written for the member list ``digest``."""
+        return f"{self.data}{digest}/"
+
+    def slice(self, digest: str, node_id: str) -> str:
+        return f"{self.data}{digest}/s/{node_id}"
+
+    def chunk(self, digest: str, index: int) -> str:
+        return f"{self.data}{digest}/m/{index}"
