@@ -10,7 +10,7 @@ the action. Unit tests drive it with hand-made views and a fake ``now``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from flexrun.cause import FailureCause
@@ -229,6 +229,32 @@ def _eligible(view: View) -> Mapping[str, tuple[NodeRecord, int]]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Departed:
+    """Members of the running round that are gone: ``lost`` (their keep-alive expired, the
+    node record is still there) and ``left`` (they left gracefully)."""
+
+    lost: tuple[str, ...]
+    left: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        return "node_lost" if self.lost else "node_left"
+
+
+def departed(members: Sequence[str], alive: Collection[str], view: View) -> Departed | None:
+    """Who of ``members`` is gone, once the settle time after a store restart is over."""
+    if view.now < view.settle_until:
+        return None
+    gone = [m for m in members if m not in alive]
+    if not gone:
+        return None
+    return Departed(
+        lost=tuple(m for m in gone if m in view.registered),
+        left=tuple(m for m in gone if m not in view.registered),
+    )
+
+
 def decide(view: View, settings: RendezvousSettings) -> Action:
     """The next thing this agent should do."""
     r = view.round
@@ -257,12 +283,14 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
 
     if r is not None and r.state == RUNNING:
         members = r.member_ids
-        gone = [m for m in members if m not in alive] if view.now >= view.settle_until else []
-        if gone:
-            left = tuple(m for m in gone if m not in view.registered)
-            lost = tuple(m for m in gone if m in view.registered)
-            reason = "node_lost" if lost else "node_left"
-            return Propose(next_round(r, alive, settings, reason), r.number, lost=lost, left=left)
+        gone = departed(members, alive, view)
+        if gone is not None:
+            return Propose(
+                next_round(r, alive, settings, gone.reason),
+                r.number,
+                lost=gone.lost,
+                left=gone.left,
+            )
         waiters = [n for n in alive if n not in members]
         if (
             waiters

@@ -32,6 +32,7 @@ from flexrun.rendezvous.decide import (
     Stop,
     View,
     Wait,
+    departed,
 )
 from flexrun.rendezvous.decide import _eligible as eligible
 from flexrun.rendezvous.state import (
@@ -126,13 +127,20 @@ def decide_static(view: View, settings: RendezvousSettings) -> Action:
 
     if r is not None and r.state == RUNNING:
         members = r.member_ids
-        gone = [m for m in members if m not in alive] if view.now >= view.settle_until else []
-        if gone:
-            left = tuple(m for m in gone if m not in view.registered)
-            lost = tuple(m for m in gone if m in view.registered)
-            reason = "node_lost" if lost else "node_left"
-            cause = lost_cause(r, gone, bool(lost), settings.heartbeat_timeout_s)
-            return Propose(after_loss(r, cause, settings, reason), r.number, lost=lost, left=left)
+        gone = departed(members, alive, view)
+        if gone is not None:
+            cause = lost_cause(
+                r,
+                [m for m in members if m in gone.lost + gone.left],
+                bool(gone.lost),
+                settings.heartbeat_timeout_s,
+            )
+            return Propose(
+                after_loss(r, cause, settings, gone.reason),
+                r.number,
+                lost=gone.lost,
+                left=gone.left,
+            )
         if view.me in members:
             return Run(r) if view.running != r.number else Wait("training")
         if view.running is not None:
