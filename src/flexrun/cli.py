@@ -170,6 +170,7 @@ def main(
     that choice. Bad input is one line on stderr and 2 either way. ``delegate=False``:
     never hand ``run`` to a warm agent (this process is one)."""
     raising = argv is not None if raise_on_failure is None else raise_on_failure
+    console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     env = process_environ()
     # Before torch loads: c10d warns about every expired bounded store wait, which the
@@ -197,7 +198,24 @@ def main(
         from flexrun.api import job_failure
 
         raise job_failure(code, run_dir, since)
+    if console and run_dir is not None:
+        _exit_without_finalizing(code)
     return code
+
+
+def _exit_without_finalizing(code: int) -> None:
+    """End a ``flexrun run`` process with ``code`` once everything is flushed, skipping the
+    interpreter's finalization: the agent's daemon threads (the rendezvous' long store
+    watch) may sit inside a C++ ``TCPStore`` wait, and finalizing under them ends the
+    process in ``std::terminate`` (SIGABRT, exit -6) instead of with ``code``. Returns
+    (a normal exit follows) only if the console cannot be flushed."""
+    logging.shutdown()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        return  # a closed or broken console: the normal exit path (finalizing) it is
+    os._exit(code)
 
 
 if __name__ == "__main__":

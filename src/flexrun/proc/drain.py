@@ -135,6 +135,17 @@ class StreamCopy:
             os.close(self._log_fd)
             self._log_fd = None
 
+    def open_log(self) -> None:
+        """Create the log file now (the run directory's contract: every rank has its
+        ``stdout.log`` and ``stderr.log``, empty when it wrote nothing); a disk that
+        refuses is said once and retried at the first bytes."""
+        try:
+            self._log_fd = os.open(
+                self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+            )
+        except OSError as exc:
+            DISK_NOTICE.dropped(0, self.log_path, exc)
+
     def _log(self, chunk: bytes) -> None:
         try:
             if self._log_fd is None:
@@ -183,6 +194,8 @@ class Drain(threading.Thread):
         self._sel.register(self._wake_r, selectors.EVENT_READ)
 
     def run(self) -> None:
+        for stream in self.streams.values():
+            stream.open_log()
         open_fds = set(self.streams)
         try:
             while open_fds:
