@@ -255,8 +255,8 @@ def departed(members: Sequence[str], alive: Collection[str], view: View) -> Depa
     )
 
 
-def decide(view: View, settings: RendezvousSettings) -> Action:
-    """The next thing this agent should do."""
+def job_ended(view: View) -> Action | None:
+    """What to do once the job failed or finished (its round FAILED or CLOSED), else None."""
     r = view.round
     if r is not None and r.state == FAILED:
         return Exit(r.exit_code or 1, f"job failed: {r.reason}", r.root_cause)
@@ -264,6 +264,15 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
         if view.running == r.number:
             return Wait("job finishing: waiting for local workers")
         return Exit(0, "job finished")
+    return None
+
+
+def decide(view: View, settings: RendezvousSettings) -> Action:
+    """The next thing this agent should do."""
+    r = view.round
+    ended = job_ended(view)
+    if ended is not None:
+        return ended
 
     alive = _eligible(view)
     window_over = view.now - view.candidates_since >= settings.last_call_s

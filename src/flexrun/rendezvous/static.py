@@ -26,17 +26,16 @@ from flexrun.config import RendezvousSettings
 from flexrun.exitcodes import NODE_LOST
 from flexrun.rendezvous.decide import (
     Action,
-    Exit,
     Propose,
     Run,
     Stop,
     View,
     Wait,
     departed,
+    job_ended,
 )
 from flexrun.rendezvous.decide import _eligible as eligible
 from flexrun.rendezvous.state import (
-    CLOSED,
     FAILED,
     PENDING,
     RUNNING,
@@ -104,12 +103,9 @@ def decide_static(view: View, settings: RendezvousSettings) -> Action:
     """The next thing the watcher of a static job should do."""
     r = view.round
     n = settings.max_nodes
-    if r is not None and r.state == FAILED:
-        return Exit(r.exit_code or 1, f"job failed: {r.reason}", r.root_cause)
-    if r is not None and r.state == CLOSED:
-        if view.running == r.number:
-            return Wait("job finishing: waiting for local workers")
-        return Exit(0, "job finished")
+    ended = job_ended(view)
+    if ended is not None:
+        return ended
     alive = eligible(view)
     world = static_members(alive, n)
     if (r is None or r.number < view.floor) and view.floor > 0:

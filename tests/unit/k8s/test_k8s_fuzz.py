@@ -8,12 +8,12 @@ at all (a bad manifest is a reported problem). Bounded and derandomized, so CI i
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from fuzz_support import paths_of, replace_at
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from k8s_paths import GOLDEN, TRAINJOB_EXAMPLE
@@ -47,32 +47,10 @@ values = st.recursive(
 )
 
 
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
-def _replace(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
-    if not path:
-        return value
-    out = copy.deepcopy(doc)
-    node = out
-    for p in path[:-1]:
-        node = node[p]
-    node[path[-1]] = value
-    return out
-
-
 def _mutated(data: st.DataObject, doc: Any) -> Any:
-    paths = _paths(doc)
+    paths = paths_of(doc)
     path = data.draw(st.sampled_from(paths), label="path")
-    return _replace(doc, path, data.draw(values, label="value"))
+    return replace_at(doc, path, data.draw(values, label="value"))
 
 
 JOB_SPECS = [
