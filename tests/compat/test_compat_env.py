@@ -130,7 +130,6 @@ VIRTUAL = Case(
 )
 
 
-@pending("--virtual-local-rank (worker_envs(settings=config) in agent.py and live.py)")
 @pytest.mark.timeout(300)
 def test_virtual_local_rank(runner: Runner) -> None:
     runs = runner(VIRTUAL)
