@@ -138,7 +138,11 @@ class LiveRunner(LoopProgress):
         unreachable when they were found)."""
         self._tee_done = threading.Event()
         self._command = build_command(
-            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+            config.entrypoint,
+            config.args,
+            module=config.module,
+            no_python=config.no_python,
+            python=config.python_exec,
         )
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / node_id

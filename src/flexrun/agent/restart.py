@@ -73,7 +73,11 @@ class RestartRunner:
         self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
         self._warm_until = 0.0
         self._command = build_command(
-            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+            config.entrypoint,
+            config.args,
+            module=config.module,
+            no_python=config.no_python,
+            python=config.python_exec,
         )
 
     @property
