@@ -72,7 +72,6 @@ def test_the_root_cause_is_reported_on_stderr(runner: Runner) -> None:
     allow("failure-report")
 
 
-@pending("the launcher's own TORCHELASTIC_ERROR_FILE (root cause copied there)")
 @pytest.mark.timeout(300)
 def test_the_launchers_error_file_receives_the_root_cause(runner: Runner) -> None:
     runs = runner(RAISES)

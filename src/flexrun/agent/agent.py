@@ -21,6 +21,7 @@ from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent import policy
+from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
@@ -216,6 +217,12 @@ class Agent:
                 self._crash_loop_exit()
             if action.code != 0:
                 _print_root_cause(action.root_cause, action.reason)
+                if action.root_cause is not None and self.config.launcher_error_file:
+                    write_launcher_error_file(
+                        self.config.launcher_error_file,
+                        action.root_cause,
+                        timestamp=self.clock.wall(),
+                    )
             return action.code
         interval = self.config.monitor_interval_s
         self.rdzv.wait(interval if self.runner.active else max(interval, 0.5))
