@@ -18,7 +18,6 @@ from compat_checks import (
     bad_input_alike,
     error_message,
     failed_alike,
-    pending,
     same_env,
     succeeded,
 )
@@ -146,7 +145,6 @@ SIGUSR1 = Case(
 )
 
 
-@pending("--signals-to-handle (the agent catches and forwards the listed signals)")
 @pytest.mark.timeout(300)
 def test_a_listed_signal_reaches_the_workers(runner: Runner) -> None:
     runs = runner(SIGUSR1)

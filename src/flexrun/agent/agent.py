@@ -106,7 +106,7 @@ class Agent:
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
-        previous = _install_signals()
+        previous = _install_signals(self.config.signal_numbers)
         try:
             code = self._join()
             if code is None:
@@ -120,7 +120,12 @@ class Agent:
             # Leave the rendezvous as soon as a worker is gone (the ranks agreed on the
             # stop and saved before any exits): the survivors re-form at once instead of
             # waiting for the slowest worker's teardown.
-            self._stop(self.config.stop_grace_s, productive=True, on_first_exit=self.rdzv.leave)
+            self._stop(
+                self.config.stop_grace_s,
+                productive=True,
+                on_first_exit=self.rdzv.leave,
+                sig=worker_signal(t.signum),
+            )
             code = for_signal(t.signum)
             self._finish(code)
             return code
@@ -322,9 +327,17 @@ class Agent:
         self.events.emit("no_progress", crash_loop_restarts=k, message=line)
 
     def _stop(
-        self, grace_s: float, *, productive: bool, on_first_exit: Callable[[], None] | None = None
+        self,
+        grace_s: float,
+        *,
+        productive: bool,
+        on_first_exit: Callable[[], None] | None = None,
+        sig: int | None = None,
     ) -> None:
-        self.runner.stop(grace_s, on_first_exit=on_first_exit)
+        if sig is None:
+            self.runner.stop(grace_s, on_first_exit=on_first_exit)
+        else:
+            self.runner.stop(grace_s, on_first_exit=on_first_exit, sig=sig)
         self.uptime.stop(productive=productive)
 
     # -- store outages ----------------------------------------------------------------------
@@ -381,16 +394,31 @@ class Agent:
 
 
 # -- signals ------------------------------------------------------------------------------------
-def _install_signals() -> dict[int, Any]:
-    """SIGTERM/INT/HUP raise :class:`_Terminated` in the main thread (the loop stops the
-    workers, leaves and exits 128+N); the previous handlers, to restore."""
+_OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Caught whatever ``--signals-to-handle`` says: they stop the job in order (workers
+stopped, the rendezvous left) rather than killing the agent outright."""
+
+
+def _install_signals(listed: tuple[int, ...] = ()) -> dict[int, Any]:
+    """SIGTERM/INT/HUP and the ``listed`` ones (``--signals-to-handle``) raise
+    :class:`_Terminated` in the main thread (the loop stops the workers with
+    :func:`worker_signal`, leaves and exits 128+N); the previous handlers, to restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise _Terminated(signum)
 
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    wanted = dict.fromkeys((*_OWN_SIGNALS, *listed))
+    return {s: signal.signal(s, handler) for s in wanted}
+
+
+def worker_signal(signum: int) -> int:
+    """What the workers get when the agent caught ``signum``: SIGTERM for the agent's own
+    stop signals (flexrun.train's agreed save at the next step listens for it, and the
+    Python API interrupts the agent with SIGINT), else ``signum`` itself, forwarded as
+    torchrun does; SIGKILL follows after the stop grace either way."""
+    return signal.SIGTERM if signum in _OWN_SIGNALS else signum
 
 
 def _restore_signals(previous: dict[int, Any]) -> None:

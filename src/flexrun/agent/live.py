@@ -369,13 +369,19 @@ class LiveRunner(LoopProgress):
         )
 
     # -- stopping ----------------------------------------------------------------------------
-    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+    def stop(
+        self,
+        grace_s: float,
+        *,
+        on_first_exit: Callable[[], None] | None = None,
+        sig: int = signal.SIGTERM,
+    ) -> None:
         if self.pool is not None:
             self.pool.close()
         procs = list(self.slots.values())
         for lw in procs:
             if lw.worker.proc.poll() is None:
-                kill_session(lw.worker.proc.pid, signal.SIGTERM)
+                kill_session(lw.worker.proc.pid, sig)
         deadline = self.clock.monotonic() + grace_s
         for lw in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
