@@ -101,7 +101,8 @@ class EventLog:
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Yield the complete events of a file (or of ``events.jsonl`` in a directory).
 
-    A truncated last line (a writer killed mid-write) is skipped, not an error.
+    A truncated last line (a writer killed mid-write) is skipped, not an error, and so is
+    a line that is not a JSON object (hostile or corrupted: not UTF-8, nested too deep).
     """
     p = Path(path)
     if p.is_dir():
@@ -113,6 +114,8 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             if not raw.endswith(b"\n"):
                 continue
             try:
-                yield json.loads(raw)
-            except json.JSONDecodeError:
+                event = json.loads(raw)
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep
                 continue
+            if isinstance(event, dict):
+                yield event

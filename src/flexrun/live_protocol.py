@@ -67,8 +67,8 @@ class LiveKeys:
 def _json_object(raw: bytes | str, what: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"unreadable {what} record: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise ValueError(f"unreadable {what} record: {type(exc).__name__}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{what} record is not an object")
     return data

@@ -166,8 +166,8 @@ def storage_options_from_env(environ: Mapping[str, str] | None = None) -> dict[s
         return {}
     try:
         value = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{STORAGE_OPTIONS_ENV} is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{STORAGE_OPTIONS_ENV} is not JSON: {type(exc).__name__}") from exc
     if not isinstance(value, dict):
         raise ConfigError(
             f"{STORAGE_OPTIONS_ENV} must be a JSON object, got {type(value).__name__}"

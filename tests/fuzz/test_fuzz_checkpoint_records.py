@@ -121,13 +121,6 @@ def test_storage_options_from_the_environment_are_a_config_error_or_an_object(ra
     assert isinstance(got, dict)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="storage_options_from_env catches ValueError only: JSON nested past the recursion "
-    "limit raises RecursionError (the module moves to flexrun/storage_options.py on branch "
-    "ckptspec, which has the same hole; fix: also catch RecursionError)",
-)
 def test_storage_options_nested_too_deep_are_a_config_error() -> None:
     with pytest.raises(ConfigError):
         storage_options_from_env({STORAGE_OPTIONS_ENV: DEEP.decode()})

@@ -110,13 +110,6 @@ def test_a_hostile_live_record_is_a_value_error_or_a_record(data: st.DataObject,
         assert str(exc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="live_protocol._json_object catches ValueError only: a record nested past the "
-    "recursion limit raises RecursionError out of EpochRecord/NodeWorkers/MemberReport.decode "
-    "(live_protocol.py is resil-live's)",
-)
 @pytest.mark.parametrize("kind", sorted(LIVE))
 def test_a_live_record_nested_too_deep_is_a_value_error(kind: str) -> None:
     with pytest.raises(ValueError):
