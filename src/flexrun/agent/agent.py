@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -114,18 +115,14 @@ class Agent:
             self._finish(code)
             return code
         except _Terminated as t:
-            name = signal.Signals(t.signum).name
-            log.warning("received %s: stopping workers (grace %gs)", name, self.config.stop_grace_s)
+            name, grace = signal.Signals(t.signum).name, self.config.stop_grace_s
+            log.warning("received %s: stopping workers (grace %gs)", name, grace)
             self.events.emit("preempted", signal=name)
             # Leave the rendezvous as soon as a worker is gone (the ranks agreed on the
             # stop and saved before any exits): the survivors re-form at once instead of
             # waiting for the slowest worker's teardown.
-            self._stop(
-                self.config.stop_grace_s,
-                productive=True,
-                on_first_exit=self.rdzv.leave,
-                sig=worker_signal(t.signum),
-            )
+            sig = worker_signal(t.signum)
+            self._stop(grace, productive=True, on_first_exit=self.rdzv.leave, sig=sig)
             code = for_signal(t.signum)
             self._finish(code)
             return code
@@ -221,13 +218,7 @@ class Agent:
             if action.code == NO_PROGRESS:
                 self._crash_loop_exit()
             if action.code != 0:
-                _print_root_cause(action.root_cause, action.reason)
-                if action.root_cause is not None and self.config.launcher_error_file:
-                    write_launcher_error_file(
-                        self.config.launcher_error_file,
-                        action.root_cause,
-                        timestamp=self.clock.wall(),
-                    )
+                _report_failure(action, self.config.launcher_error_file, self.clock.wall())
             return action.code
         interval = self.config.monitor_interval_s
         self.rdzv.wait(interval if self.runner.active else max(interval, 0.5))
@@ -332,12 +323,9 @@ class Agent:
         *,
         productive: bool,
         on_first_exit: Callable[[], None] | None = None,
-        sig: int | None = None,
+        sig: int = signal.SIGTERM,
     ) -> None:
-        if sig is None:
-            self.runner.stop(grace_s, on_first_exit=on_first_exit)
-        else:
-            self.runner.stop(grace_s, on_first_exit=on_first_exit, sig=sig)
+        self.runner.stop(grace_s, on_first_exit=on_first_exit, sig=sig)
         self.uptime.stop(productive=productive)
 
     # -- store outages ----------------------------------------------------------------------
@@ -428,6 +416,13 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 def _window(window_s: float) -> str:
     return f" per {window_s:g}s window" if window_s > 0 else ""
+
+
+def _report_failure(action: Exit, error_file: Path | None, wall: float) -> None:
+    """A failed job's root cause on stderr, and in the launcher's own error file if set."""
+    _print_root_cause(action.root_cause, action.reason)
+    if action.root_cause is not None and error_file is not None:
+        write_launcher_error_file(error_file, action.root_cause, timestamp=wall)
 
 
 def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
