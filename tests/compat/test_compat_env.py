@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from compat_checks import pending, same_env, same_script_view, succeeded
+from compat_checks import same_env, same_script_view, succeeded
 from compat_support import SCRIPTS, Case, Runner
 
 ENDPOINT = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}")
@@ -114,7 +114,6 @@ PYTHON_EXEC = Case(
 )
 
 
-@pending("PYTHON_EXEC (the worker command's interpreter)")
 @pytest.mark.timeout(300)
 def test_python_exec_chooses_the_workers_interpreter(runner: Runner) -> None:
     runs = runner(PYTHON_EXEC)

@@ -18,7 +18,6 @@ from compat_checks import (
     bad_input_alike,
     error_message,
     failed_alike,
-    pending,
     same_env,
     succeeded,
 )
@@ -72,7 +71,6 @@ def test_the_root_cause_is_reported_on_stderr(runner: Runner) -> None:
     allow("failure-report")
 
 
-@pending("the launcher's own TORCHELASTIC_ERROR_FILE (root cause copied there)")
 @pytest.mark.timeout(300)
 def test_the_launchers_error_file_receives_the_root_cause(runner: Runner) -> None:
     runs = runner(RAISES)
@@ -147,7 +145,6 @@ SIGUSR1 = Case(
 )
 
 
-@pending("--signals-to-handle (the agent catches and forwards the listed signals)")
 @pytest.mark.timeout(300)
 def test_a_listed_signal_reaches_the_workers(runner: Runner) -> None:
     runs = runner(SIGUSR1)

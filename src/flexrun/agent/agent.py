@@ -16,11 +16,13 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent import policy
+from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
@@ -105,7 +107,7 @@ class Agent:
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
-        previous = _install_signals()
+        previous = _install_signals(self.config.signal_numbers)
         try:
             code = self._join()
             if code is None:
@@ -113,13 +115,14 @@ class Agent:
             self._finish(code)
             return code
         except _Terminated as t:
-            name = signal.Signals(t.signum).name
-            log.warning("received %s: stopping workers (grace %gs)", name, self.config.stop_grace_s)
+            name, grace = signal.Signals(t.signum).name, self.config.stop_grace_s
+            log.warning("received %s: stopping workers (grace %gs)", name, grace)
             self.events.emit("preempted", signal=name)
             # Leave the rendezvous as soon as a worker is gone (the ranks agreed on the
             # stop and saved before any exits): the survivors re-form at once instead of
             # waiting for the slowest worker's teardown.
-            self._stop(self.config.stop_grace_s, productive=True, on_first_exit=self.rdzv.leave)
+            sig = worker_signal(t.signum)
+            self._stop(grace, productive=True, on_first_exit=self.rdzv.leave, sig=sig)
             code = for_signal(t.signum)
             self._finish(code)
             return code
@@ -215,7 +218,7 @@ class Agent:
             if action.code == NO_PROGRESS:
                 self._crash_loop_exit()
             if action.code != 0:
-                _print_root_cause(action.root_cause, action.reason)
+                _report_failure(action, self.config.launcher_error_file, self.clock.wall())
             return action.code
         interval = self.config.monitor_interval_s
         self.rdzv.wait(interval if self.runner.active else max(interval, 0.5))
@@ -315,9 +318,14 @@ class Agent:
         self.events.emit("no_progress", crash_loop_restarts=k, message=line)
 
     def _stop(
-        self, grace_s: float, *, productive: bool, on_first_exit: Callable[[], None] | None = None
+        self,
+        grace_s: float,
+        *,
+        productive: bool,
+        on_first_exit: Callable[[], None] | None = None,
+        sig: int = signal.SIGTERM,
     ) -> None:
-        self.runner.stop(grace_s, on_first_exit=on_first_exit)
+        self.runner.stop(grace_s, on_first_exit=on_first_exit, sig=sig)
         self.uptime.stop(productive=productive)
 
     # -- store outages ----------------------------------------------------------------------
@@ -374,16 +382,31 @@ class Agent:
 
 
 # -- signals ------------------------------------------------------------------------------------
-def _install_signals() -> dict[int, Any]:
-    """SIGTERM/INT/HUP raise :class:`_Terminated` in the main thread (the loop stops the
-    workers, leaves and exits 128+N); the previous handlers, to restore."""
+_OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Caught whatever ``--signals-to-handle`` says: they stop the job in order (workers
+stopped, the rendezvous left) rather than killing the agent outright."""
+
+
+def _install_signals(listed: tuple[int, ...] = ()) -> dict[int, Any]:
+    """SIGTERM/INT/HUP and the ``listed`` ones (``--signals-to-handle``) raise
+    :class:`_Terminated` in the main thread (the loop stops the workers with
+    :func:`worker_signal`, leaves and exits 128+N); the previous handlers, to restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise _Terminated(signum)
 
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    wanted = dict.fromkeys((*_OWN_SIGNALS, *listed))
+    return {s: signal.signal(s, handler) for s in wanted}
+
+
+def worker_signal(signum: int) -> int:
+    """What the workers get when the agent caught ``signum``: SIGTERM for the agent's own
+    stop signals (flexrun.train's agreed save at the next step listens for it, and the
+    Python API interrupts the agent with SIGINT), else ``signum`` itself, forwarded as
+    torchrun does; SIGKILL follows after the stop grace either way."""
+    return signal.SIGTERM if signum in _OWN_SIGNALS else signum
 
 
 def _restore_signals(previous: dict[int, Any]) -> None:
@@ -393,6 +416,13 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 def _window(window_s: float) -> str:
     return f" per {window_s:g}s window" if window_s > 0 else ""
+
+
+def _report_failure(action: Exit, error_file: Path | None, wall: float) -> None:
+    """A failed job's root cause on stderr, and in the launcher's own error file if set."""
+    _print_root_cause(action.root_cause, action.reason)
+    if action.root_cause is not None and error_file is not None:
+        write_launcher_error_file(error_file, action.root_cause, timestamp=wall)
 
 
 def _print_root_cause(cause: FailureCause | None, reason: str) -> None:

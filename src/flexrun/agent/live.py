@@ -138,7 +138,11 @@ class LiveRunner(LoopProgress):
         unreachable when they were found)."""
         self._tee_done = threading.Event()
         self._command = build_command(
-            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+            config.entrypoint,
+            config.args,
+            module=config.module,
+            no_python=config.no_python,
+            python=config.python_exec,
         )
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / node_id
@@ -365,13 +369,19 @@ class LiveRunner(LoopProgress):
         )
 
     # -- stopping ----------------------------------------------------------------------------
-    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+    def stop(
+        self,
+        grace_s: float,
+        *,
+        on_first_exit: Callable[[], None] | None = None,
+        sig: int = signal.SIGTERM,
+    ) -> None:
         if self.pool is not None:
             self.pool.close()
         procs = list(self.slots.values())
         for lw in procs:
             if lw.worker.proc.poll() is None:
-                kill_session(lw.worker.proc.pid, signal.SIGTERM)
+                kill_session(lw.worker.proc.pid, sig)
         deadline = self.clock.monotonic() + grace_s
         for lw in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

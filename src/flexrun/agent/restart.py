@@ -10,6 +10,7 @@ hook, :mod:`flexrun.worker_hook`, read through :mod:`flexrun.agent.progress`), a
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -73,7 +74,11 @@ class RestartRunner:
         self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
         self._warm_until = 0.0
         self._command = build_command(
-            config.entrypoint, config.args, module=config.module, no_python=config.no_python
+            config.entrypoint,
+            config.args,
+            module=config.module,
+            no_python=config.no_python,
+            python=config.python_exec,
         )
 
     @property
@@ -276,10 +281,16 @@ class RestartRunner:
             self.pool.fill()
 
     # -- stopping ----------------------------------------------------------------------------
-    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+    def stop(
+        self,
+        grace_s: float,
+        *,
+        on_first_exit: Callable[[], None] | None = None,
+        sig: int = signal.SIGTERM,
+    ) -> None:
         group, self.group = self.group, None
         if group is not None:
-            group.stop(grace_s, on_first_exit=on_first_exit)
+            group.stop(grace_s, sig, on_first_exit=on_first_exit)
         elif on_first_exit is not None:
             on_first_exit()
 

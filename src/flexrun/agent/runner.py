@@ -10,6 +10,7 @@ The mode is chosen once, when the agent is built; nothing else branches on it.
 from __future__ import annotations
 
 import enum
+import signal
 from collections.abc import Callable
 from typing import Protocol
 
@@ -93,8 +94,15 @@ class Runner(Protocol):
         """Housekeeping between polls, when nothing else is urgent (refill warm spares)."""
         ...
 
-    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
-        """SIGTERM the workers, SIGKILL after ``grace_s``, reap them. ``on_first_exit``
+    def stop(
+        self,
+        grace_s: float,
+        *,
+        on_first_exit: Callable[[], None] | None = None,
+        sig: int = signal.SIGTERM,
+    ) -> None:
+        """Signal the workers (``sig``: SIGTERM unless the agent forwards another it
+        caught), SIGKILL after ``grace_s``, reap them. ``on_first_exit``
         runs once, when the first worker has gone. Never raises for processes that are
         already gone."""
         ...

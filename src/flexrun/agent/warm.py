@@ -3,17 +3,35 @@
 Owns only the choice (from :class:`~flexrun.config.RunConfig`) of whether a mode gets a
 pool, how big, with which environment and where its spares log; the pool itself is
 :class:`flexrun.spares.pool.WarmPool`.
+
+A spare is an interpreter already running: this one (``sys.executable``). A job whose
+workers run another (``PYTHON_EXEC``, :attr:`RunConfig.python_exec`, compared as a path,
+not by what it resolves to: a venv's ``python`` links to the base interpreter yet is not
+the same environment) gets no pool, and its workers start cold under that interpreter.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 from flexrun.config import RunConfig
 from flexrun.spares.pool import WarmPool
 
 
+def spares_fit(config: RunConfig) -> bool:
+    """Whether a spare (this interpreter) can be one of the job's workers."""
+    return os.path.abspath(config.python_exec) == os.path.abspath(sys.executable)
+
+
 def restart_pool(config: RunConfig) -> WarmPool | None:
     """The warm pool of a restart-mode agent (None when disabled or not applicable)."""
-    if config.mode != "restart" or config.warm_spares <= 0 or config.no_python:
+    if (
+        config.mode != "restart"
+        or config.warm_spares <= 0
+        or config.no_python
+        or not spares_fit(config)
+    ):
         return None
     log_root = config.log_dir or (config.run_dir / "logs")
     return WarmPool(
@@ -30,7 +48,7 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     """The warm pool of a live-mode agent (None for ``--no-python``). The launcher builds
     it and fills it with the node's first workers before it even connects to the store,
     so their Python and torch import overlaps the agent's own start-up."""
-    if config.mode != "live" or config.no_python:
+    if config.mode != "live" or config.no_python or not spares_fit(config):
         return None
     env = dict(config.environ)
     if config.nproc_per_node > 1:

@@ -119,7 +119,9 @@ class FakeRunner:
     def tend(self) -> None:
         pass
 
-    def stop(self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None) -> None:
+    def stop(
+        self, grace_s: float, *, on_first_exit: Callable[[], None] | None = None, sig: int = 15
+    ) -> None:
         if self.running:
             self.stops.append(grace_s)
         self.running = False
