@@ -118,7 +118,12 @@ def build_agent(
 def launch(config: RunConfig) -> int:
     """Run this node's agent to completion and return the process exit code."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
+    events = EventLog(
+        config.run_dir,
+        run_id=config.run_id,
+        node=config.node_id,
+        echo_stderr=config.event_log_handler == "console",  # (torchrun's console handler)
+    )
     pool = restart_pool(config)
     live_spares = live_pool(config)
     if live_spares is not None:
