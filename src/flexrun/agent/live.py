@@ -46,7 +46,7 @@ from flexrun.proc.drain import Console
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
-from flexrun.store.signed import write_secret_file
+from flexrun.store.signed import place_secret_file, remove_secret_file
 
 log = logging.getLogger("flexrun.agent")
 
@@ -149,7 +149,7 @@ class LiveRunner(LoopProgress):
         self.outputs = AttemptOutputs(config)  # (once per start: a new worker keeps its slot's)
         self._hb_root = config.run_dir / "live-heartbeats" / node_id
         self._secret_file = (
-            write_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
+            place_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
             if config.store.secret is not None
             else None
         )
@@ -404,7 +404,7 @@ class LiveRunner(LoopProgress):
     def close(self) -> None:
         self.stop(0)
         if self._secret_file is not None:
-            self._secret_file.unlink(missing_ok=True)
+            remove_secret_file(self._secret_file)
 
 
 def live_worker_env(
