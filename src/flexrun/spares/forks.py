@@ -1,6 +1,6 @@
 """A fork server's loop: the process side of a pool's refill in milliseconds.
 
-Owns what :mod:`flexrun.spares.zygote` (the entry point, which imports torch first) does
+Owns what ``python -m flexrun.spares.spare --fork-server`` (which imports torch first) does
 once warm: one interpreter has paid Python, torch and ``flexrun.train`` (what
 :mod:`flexrun.spares.spare` pays per spare), then forks each new spare on request, so a
 refill after a restart costs no ``import torch`` and no CPU beside the restarted workers

@@ -1,8 +1,8 @@
-"""The pool's side of its fork server (:mod:`flexrun.spares.zygote`), and when to use it.
+"""The pool's side of its fork server (:mod:`flexrun.spares.forks`), and when to use it.
 
-Owns starting the zygote (a spare-like process of its own session that dies with the
-agent), asking it for spares (each answered in milliseconds with the new spare's pid and
-assignment channel) and the pure choice of how a refill gets its spares
+Owns starting the zygote (``python -m flexrun.spares.spare --fork-server``: a session of
+its own that dies with the agent), asking it for spares (each answered in milliseconds
+with the new spare's pid and assignment channel) and the pure choice of how a refill gets its spares
 (:func:`plan_refill`): forked while the zygote is ready, none while it is still importing
 (it will be ready before a spare started now, and one import is all a pool pays), started
 fresh when it is gone. A forked spare is not the agent's child: it is seen through
@@ -23,9 +23,10 @@ from flexrun.errors import SparesError
 from flexrun.proc import Worker, log_tail, reap, spawn_worker
 from flexrun.spares.adopted import AdoptedProcess
 from flexrun.spares.protocol import (
+    FORK_SERVER_FLAG,
     MAX_LINE,
     READY_ENV,
-    ZYGOTE_MODULE,
+    SPARE_MODULE,
     ZYGOTE_ROOT_ENV,
     command,
     decode_object,
@@ -76,7 +77,8 @@ class ForkServer:
         zygote_command: Sequence[str] | None = None,
     ) -> None:
         self.root = root
-        self.ready_file = root / "zygote.ready"
+        # (Not ``*.ready``: those are idle spares' flags, counted by whoever watches a pool.)
+        self.ready_file = root / "fork-server.pid"
         self.ready_file.unlink(missing_ok=True)
         root.mkdir(parents=True, exist_ok=True)
         env = dict(environ)
@@ -85,7 +87,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.worker: Worker | None = spawn_worker(
-                list(zygote_command or command(ZYGOTE_MODULE)),
+                list(zygote_command or [*command(SPARE_MODULE), FORK_SERVER_FLAG]),
                 env,
                 root / "zygote",
                 rank=-1,

@@ -66,7 +66,7 @@ class WarmPool:
         self._clock = clock
         self._seq = 0
         self.fork_server = fork_server
-        """Fork spares from one warm zygote (:mod:`flexrun.spares.zygote`) instead of starting
+        """Fork spares from one warm zygote (:mod:`flexrun.spares.forks`) instead of starting
         each fresh: a refill then takes milliseconds and no CPU from the workers."""
         self._zygote_command = zygote_command
         self._zygote: ForkServer | None = None

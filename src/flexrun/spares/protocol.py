@@ -55,7 +55,8 @@ AGENT_SOCKET_ENV = "FLEXRUN_WARM_AGENT_SOCKET"
 ZYGOTE_ROOT_ENV = "FLEXRUN_ZYGOTE_ROOT"
 """Set for a pool's fork server: the directory its spares' files go under."""
 SPARE_MODULE = "flexrun.spares.spare"
-ZYGOTE_MODULE = "flexrun.spares.zygote"
+FORK_SERVER_FLAG = "--fork-server"
+"""``python -m flexrun.spares.spare --fork-server``: a pool's zygote (``spares.forks``)."""
 WARM_AGENT_MODULE = "flexrun.warm_agent"
 
 OPS = ("status", "take", "take_agent")
