@@ -51,7 +51,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 class _Child(Exception):
-    """Raised in a forked child to unwind the zygote's loop (never escapes :func:`main`)."""
+    """Raised in a forked child to unwind the zygote's loop (never escapes :func:`serve_forks`)."""
 
 
 class Zygote:
@@ -87,6 +87,7 @@ class Zygote:
     def _answer(self, line: bytes) -> None:
         try:
             name = valid_name(decode_object(line, "fork request").get("name"))
+            _check_fork_safe()
         except SparesProtocolError as exc:
             self.conn.sendall(encode({"error": str(exc)}))
             return
@@ -158,6 +159,15 @@ class Zygote:
                 print(
                     f"flexrun zygote: status {rc} of pid {pid} not recorded: {exc}", file=sys.stderr
                 )
+
+
+def _check_fork_safe() -> None:
+    """Raises:
+    SparesProtocolError: CUDA is initialised here (a forked child could not use it)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        raise SparesProtocolError("CUDA is initialised in the fork server: not forking")
 
 
 def serve_forks(prepare: Prepare | None = None) -> int:

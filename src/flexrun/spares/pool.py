@@ -169,13 +169,7 @@ class WarmPool:
         """
         deadline = self._clock.monotonic() + wait_s
         while True:
-            if (
-                self._zygote is not None
-                and len(self.spares) < self.size
-                and self._zygote.state == READY
-            ):
-                self.fill()  # (it finished its imports while this waited)
-            booting = self._zygote is not None and self._zygote.state == BOOTING
+            booting = False
             for i, (w, ready) in enumerate(self.spares):
                 if w.proc.poll() is not None:
                     continue
@@ -186,9 +180,16 @@ class WarmPool:
                     ready.unlink(missing_ok=True)  # the flag means "an idle spare is ready"
                     return w
                 booting = True
+            pause = 0.05
+            if self._zygote is not None:
+                state = self._zygote.state
+                if state == READY and len(self.spares) < self.size:
+                    self.fill()  # none ready to hand out: fork them now (milliseconds)
+                    booting, pause = bool(self.spares), 0.01
+                booting = booting or state == BOOTING
             if not booting or self._clock.monotonic() >= deadline:
                 return None
-            self._clock.sleep(0.05)
+            self._clock.sleep(pause)
 
     def trim(self) -> None:
         """Stop spares beyond the pool size (a node's first workers that were not needed)."""
