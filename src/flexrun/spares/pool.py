@@ -86,6 +86,8 @@ class WarmPool:
         target = self.size if count is None else count
         if self.node is not None and len(self.spares) < target:
             self.spares.extend((a.worker, a.ready) for a in self._take(target - len(self.spares)))
+        if len(self.spares) >= target:
+            return  # (before the fork server is started: the node's daemon may serve all)
         booting = sum(1 for _, ready in self.spares if not ready.exists())
         plan = plan_refill(
             target - len(self.spares),

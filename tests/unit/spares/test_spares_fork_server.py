@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spares_support import FAKE_SPARE
+from spares_support import FAKE_SPARE, Served
 from support import wait_for
 
 from flexrun.spares.forkserver import BOOTING, GONE, READY, Refill, plan_refill
@@ -195,3 +195,24 @@ def test_kill_9_of_the_agent_leaves_no_zygote_or_spare_behind(tmp_path: Path) ->
         agent.kill()
         agent.wait(timeout=30)
     wait_for(lambda: not any(_alive(p) for p in pids), 30, "the zygote and its spares to die")
+
+
+def test_a_pool_the_node_daemon_fills_starts_no_fork_server(tmp_path: Path) -> None:
+    served = Served(tmp_path / "spares")
+    try:
+        served.wait_ready(2)
+        pool = WarmPool(
+            2,
+            os.environ,
+            tmp_path / "own",
+            node=served.root,
+            fork_server=True,
+            zygote_command=FAKE_ZYGOTE,
+        )
+        try:
+            pool.fill()
+            assert len(pool.spares) == 2 and pool._zygote is None  # (no import paid for none)
+        finally:
+            pool.close()
+    finally:
+        served.close()
