@@ -215,11 +215,12 @@ class RendezvousHandler:
         if quiet and not self.watching and not self._claims.due(now) and self._follower.settled():
             return self._checked(self._follower.again(running), running, now)
         self._since_rev = self.store.revision()
+        read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
         hdr, rev = self.read_header()
         now = self.clock.monotonic()
         self._claims.update(hdr, rev, now)
         if self.watching:
-            action = self._watcher.step(running, hdr, rev)
+            action = self._watcher.step(running, hdr, rev, read=read)
         else:
             action = self._follower.step(running, hdr, now)
         self._changes.arm(self.watched_prefix(), self._since_rev)

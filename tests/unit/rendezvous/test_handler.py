@@ -640,6 +640,56 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
         h.leave()
 
 
+@pytest.mark.timeout(60)
+def test_a_newcomer_is_taken_in_at_the_watchers_first_step_that_sees_it() -> None:
+    """Issue 15 (scale-up ~1 s slower after the one-watcher rewrite): the watcher took a
+    newcomer in only once its keep-alive was seen renewed, a keep-alive interval after it
+    joined. A keep-alive whose revision is above the store revision read before the
+    watcher's previous step was written since then: fresh, no renewal needed."""
+    clock = FakeClock()
+    server = TcpStoreServer("127.0.0.1", 0)
+    hs: list[RendezvousHandler] = []
+    try:
+        n1 = _join(server.port, "n1", clock)
+        hs.append(n1)
+        r1 = _settle(n1, None).round
+        assert r1.member_ids == ["n1"] and n1.watching
+        clock.advance(0.1)
+        assert isinstance(n1.step(r1.number), Wait)  # a step with nothing new
+        n2 = _join(server.port, "n2", clock)  # one keep-alive and its record, no renewal
+        hs.append(n2)
+        clock.advance(0.1)
+        assert n1.step(r1.number) == Wait("proposed a new round")
+        r2 = _settle(n2, None).round
+        assert r2.member_ids == ["n1", "n2"] and r2.reason == "scale_up"
+        # After a gap of a heartbeat timeout without a step, first sight proves nothing:
+        # a newcomer waits for its keep-alive to be renewed, as before.
+        assert isinstance(_settle(n1, None), Run)
+        clock.advance(TCP_S.heartbeat_timeout_s)
+        _beat(n1, n2)
+        n3 = _join(server.port, "n3", clock)
+        hs.append(n3)
+        n1.step(r2.number)
+        n2.step(r2.number)
+        assert _round(n1.store).member_ids == ["n1", "n2"]
+        clock.advance(0.5)
+        _beat(n1, n2, n3)
+        assert n1.step(r2.number) == Wait("proposed a new round")
+        assert _settle(n3, None).round.member_ids == ["n1", "n2", "n3"]
+    finally:
+        for h in hs:
+            h.store.close()
+        server.close()
+
+
+def test_a_first_sighting_is_fresh_only_after_a_recent_read() -> None:
+    from flexrun.rendezvous.watcher import fresh_since
+
+    assert fresh_since(None, 10.0, 5.0) is None  # the watcher's first step
+    assert fresh_since((7, 9.0), 10.0, 5.0) == 7
+    assert fresh_since((7, 4.0), 10.0, 5.0) is None  # too long ago to bound its age
+
+
 def test_a_member_list_remembered_from_before_a_store_restart_is_written_again() -> None:
     """Chaos finding (seed 12): round 1 had [a, b], round 2 [a, b, c]; the store restarted
     and the follower b put the header back (it knows only its slice, not the list); then c
