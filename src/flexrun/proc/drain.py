@@ -147,9 +147,7 @@ class FilteredLog:
             return  # (a drain that outlived its round)
         try:
             if self._fd is None:
-                self._fd = os.open(
-                    self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-                )
+                self._fd = _open_append(self.path)
             _write_all(self._fd, data)
         except OSError as exc:
             DISK_NOTICE.dropped(lines, self.path, exc)
@@ -162,6 +160,11 @@ class FilteredLog:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _open_append(path: str | os.PathLike[str]) -> int:
+    """A log file opened for appending (created 0644 if missing)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -225,18 +228,14 @@ class StreamCopy:
         ``stdout.log`` and ``stderr.log``, empty when it wrote nothing); a disk that
         refuses is said once and retried at the first bytes."""
         try:
-            self._log_fd = os.open(
-                self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-            )
+            self._log_fd = _open_append(self.log_path)
         except OSError as exc:
             DISK_NOTICE.dropped(0, self.log_path, exc)
 
     def _log(self, chunk: bytes) -> None:
         try:
             if self._log_fd is None:
-                self._log_fd = os.open(
-                    self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-                )
+                self._log_fd = _open_append(self.log_path)
             _write_all(self._log_fd, chunk)
         except OSError as exc:
             DISK_NOTICE.dropped(max(1, chunk.count(b"\n")), self.log_path, exc)
