@@ -66,7 +66,8 @@ def _on_uncaught(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     (_chained or sys.__excepthook__)(exc_type, exc, tb)  # the traceback first
-    give_back()
+    if threading.current_thread() is threading.main_thread():  # (signal.signal's rule)
+        give_back()
 
 
 def give_back(kill: Callable[[int, int], None] = os.kill) -> list[int]:
