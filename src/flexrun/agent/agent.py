@@ -41,6 +41,10 @@ STOP_GRACE_S = 2.0
 too few nodes, the job failed elsewhere): peers are gone, a clean exit is unlikely."""
 CAUSE_POLL_S = 0.05
 """How often workers are polled while the policy waits for a failure's real cause."""
+FINISH_WAIT_S = 5.0
+"""How long a node still running workers when the job finished elsewhere lets them end by
+themselves before stopping them: live survivors finishing the same last step end within it;
+a round formed as the job ended (a peer's failure, a join) never trains and is stopped."""
 
 
 class _Terminated(BaseException):
@@ -214,6 +218,9 @@ class Agent:
             self._stop(STOP_GRACE_S, productive=True)
             return self._decide(policy.Halted())
         if isinstance(action, Exit):
+            if action.code == 0 and self.runner.active:
+                log.info("%s: this node's workers get %gs to end", action.reason, FINISH_WAIT_S)
+                self._await_own_exit(FINISH_WAIT_S)
             self._stop(STOP_GRACE_S, productive=True)
             if action.code == NO_PROGRESS:
                 self._crash_loop_exit()
@@ -223,6 +230,17 @@ class Agent:
         interval = self.config.monitor_interval_s
         self.rdzv.wait(interval if self.runner.active else max(interval, 0.5))
         return None
+
+    def _await_own_exit(self, timeout_s: float) -> None:
+        """Poll this node's workers until all have ended or ``timeout_s`` passed."""
+        deadline = self.clock.monotonic() + timeout_s
+        while self.runner.active and self.clock.monotonic() < deadline:
+            event = self.runner.poll()
+            if isinstance(event, policy.LiveFinished):
+                return
+            if isinstance(event, policy.Exited) and event.all_done:
+                return
+            self.clock.sleep(CAUSE_POLL_S)
 
     # -- the policy's actions ---------------------------------------------------------------
     def _decide(self, event: policy.Event) -> int | None:

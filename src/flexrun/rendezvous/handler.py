@@ -34,6 +34,7 @@ from flexrun.rendezvous.keepalive import KeepAlive
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
+    FINISHED_EARLIER,
     PENDING,
     RUNNING,
     Keys,
@@ -343,14 +344,15 @@ class RendezvousHandler:
         return self._rewrite(make) or self._round_lost()
 
     def close(self, running_round: int) -> None:
-        """Mark the job finished (no new rounds); idempotent."""
+        """Mark the job finished (no new rounds); idempotent. ``running_round``: the round
+        whose workers completed here; when a later round was formed meanwhile, its members
+        stop their workers instead of waiting for them (see ``decide.round_ended``)."""
 
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.state in (CLOSED, FAILED):
                 return None
-            return dataclasses.replace(
-                r, state=CLOSED, reason="finished", exit_code=0, root_cause=None
-            )
+            reason = "finished" if r.number == running_round else FINISHED_EARLIER
+            return dataclasses.replace(r, state=CLOSED, reason=reason, exit_code=0, root_cause=None)
 
         self._rewrite(make)
 

@@ -10,7 +10,7 @@ import pytest
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.events import EventLog
-from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run, Stop, Wait
+from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop, Wait
 from flexrun.rendezvous.state import Keys, RoundRecord, read_round
 from flexrun.store.api import Store
 from flexrun.store.memory import MemoryStore
@@ -502,6 +502,25 @@ def test_close_and_count_failure_rewrite_the_header_only() -> None:
     d.close(1)
     assert d.step(1) == Wait("job finishing: waiting for local workers")
     assert c.step(None).reason == "job finished"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("finisher", ["a", "b"])
+def test_a_round_formed_as_the_job_finished_elsewhere_is_not_waited_for(finisher: str) -> None:
+    """Chaos finding (seed 14): n2's rank was killed just as n5's completed the job; n2's
+    report formed round 12 with both nodes, n5 then closed the job, and n2 waited 300 s on
+    its new worker ("1/2 clients joined") because a closed round's members wait for their
+    own workers. Only the members of the round that finished wait; a later round's stop."""
+    clock, store, a, b = _two(min_nodes=2, max_nodes=2, max_restarts=3)
+    a.step(None)
+    assert isinstance(b.step(None), Run) and isinstance(_settle(a, None), Run)
+    nodes = {"a": a, "b": b}
+    other = nodes["b" if finisher == "a" else "a"]
+    rec = other.report_failure(1, FailureCause(rank=0, exit_code=-9))
+    assert rec.number == 2 and rec.member_ids == ["a", "b"]
+    nodes[finisher].close(1)  # its workers of round 1 completed the training
+    act = other.step(2)
+    assert isinstance(act, Exit) and act.code == 0, act
+    assert nodes[finisher].step(None).code == 0  # type: ignore[union-attr]
 
 
 TCP_S = RendezvousSettings(
