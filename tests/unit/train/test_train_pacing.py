@@ -153,9 +153,11 @@ def test_paced_writer_passes_bytes_through_in_pieces_and_paces_after_each() -> N
     assert pacer.rested_s == pytest.approx(0.003)
 
 
-class _Big:
-    def __init__(self) -> None:
-        self.t = torch.arange(3_000_000, dtype=torch.float32)
+class _Tensor:
+    """One float32 tensor of ``n`` elements: 3M (12 MB) outlasts the unpaced allowance."""
+
+    def __init__(self, n: int = 3_000_000) -> None:
+        self.t = torch.arange(n, dtype=torch.float32)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"t": self.t}
@@ -164,11 +166,10 @@ class _Big:
         self.t = state["t"]
 
 
-def _save_once(tmp_path: Path, clock: FakeClock, **kw: Any) -> Checkpointer:
-    c = Checkpointer(
-        str(tmp_path / "ck"), ctx=single_process_context(), clock=clock, save_rng=False, **kw
-    )
-    c.register("big", _Big())
+def _save_once(tmp_path: Path, clock: FakeClock, n: int = 3_000_000, **kw: Any) -> Checkpointer:
+    kw.setdefault("save_rng", False)
+    c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), clock=clock, **kw)
+    c.register("big", _Tensor(n))
     c.save(1)
     thread = c._p._thread
     assert thread is not None
@@ -184,22 +185,11 @@ def test_checkpointer_paces_by_default_and_the_checkpoint_loads(tmp_path: Path) 
     pacer = c._p._pacer
     assert pacer is not None and pacer.rested_s > 0  # hashing 12 MB took some CPU
     c.wait()
-    big = _Big()
+    big = _Tensor()
     big.t = torch.zeros(1)
     c2 = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), save_rng=False)
     c2.register("big", big)
     assert c2.load() is not None and torch.equal(big.t, torch.arange(3_000_000.0))
-
-
-class _Small:
-    def __init__(self) -> None:
-        self.t = torch.arange(4096, dtype=torch.float32)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"t": self.t}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.t = state["t"]
 
 
 def test_a_small_checkpoint_commits_unpaced_by_default(tmp_path: Path) -> None:
@@ -208,12 +198,7 @@ def test_a_small_checkpoint_commits_unpaced_by_default(tmp_path: Path) -> None:
     # lost to every failure in that window.
     assert DEFAULT_PERSIST_FREE_CPU_S == 0.05
     clock = FakeClock()
-    c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), clock=clock)
-    c.register("small", _Small())
-    c.save(1)
-    thread = c._p._thread
-    assert thread is not None
-    thread.join(timeout=60)
+    c = _save_once(tmp_path, clock, n=4096, save_rng=True)  # (the defaults: rng state saved)
     pacer = c._p._pacer
     assert pacer is not None and pacer.rested_s == 0.0
     assert c.steps() == [1]
