@@ -57,8 +57,13 @@ class RestartRunner:
         masters: Callable[[RoundRecord], MasterRecord | None],
         pool: WarmPool | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        on_close: Callable[[], None] | None = None,
+        agent_store: bool | None = None,
     ) -> None:
         self.config = config
+        self._on_close = on_close  # (drops the workers' store this agent hosts)
+        self.agent_store = config.static is not None if agent_store is None else agent_store
+        """The workers are clients of a store an agent hosts (None: a static job's are)."""
         self.node_id = node_id
         self.events = events
         self.masters = masters
@@ -115,6 +120,7 @@ class RestartRunner:
             restart_count=rnd.restarts if c.static is not None else self.runs,
             max_restarts=c.rendezvous.max_restarts,
             settings=c,
+            agent_store=self.agent_store,
         )
         log_dir = (c.log_dir or (c.run_dir / "logs")) / f"round_{rnd.number}"
         self._cold_workers = 0
@@ -304,5 +310,7 @@ class RestartRunner:
 
     def close(self) -> None:
         self.stop(0)
+        if self._on_close is not None:
+            self._on_close()
         if self.pool is not None:
             self.pool.close()

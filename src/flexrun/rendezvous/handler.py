@@ -263,11 +263,12 @@ class RendezvousHandler:
         return changed
 
     # -- per-round master address ----------------------------------------------------------
-    def master_for(self, rnd: RoundRecord, timeout_s: float) -> MasterRecord | None:
-        """Rank 0's node publishes a fresh address; others wait for it (None: round moved on)."""
+    def master_for(self, rnd: RoundRecord, timeout_s: float, port: int = 0) -> MasterRecord | None:
+        """Rank 0's node publishes ``port`` (its agent's store) or a free one; others wait
+        for it (None: the round moved on)."""
         key = self.keys.master(rnd.number)
         if rnd.group_rank(self.me.node_id) == 0:
-            rec = MasterRecord(self.me.addr, free_port(self.me.addr))
+            rec = MasterRecord(self.me.addr, port or free_port(self.me.addr))
             ok, _ = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
             if not ok:
                 entry = self.store.get(key)
