@@ -61,4 +61,8 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     # each warning c10d logs for one can stall seconds on a reverse DNS lookup.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     log_root = (config.log_dir or config.run_dir / "logs") / "live"
-    return WarmPool(config.warm_spares, env, log_root / "spares", node=config.spares_dir)
+    # Refill by fork from one warm zygote, as restart mode: a replacement's fresh `import
+    # torch` (~2 cpu-s here) competed with the survivors' training after every failure.
+    return WarmPool(
+        config.warm_spares, env, log_root / "spares", node=config.spares_dir, fork_server=True
+    )
