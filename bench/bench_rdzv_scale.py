@@ -132,6 +132,8 @@ class Run:
             for p in range(procs)
         ]
         self.runs: dict[int, tuple[int, float]] = {}  # agent -> (latest round, when)
+        self.firsts: dict[int, float] = {}  # round -> when the first agent ran it
+        self.joined: dict[int, float] = {}  # agent -> when its join returned
         self.watcher: int | None = None
         self.errors: list[str] = []
         self.retries = 0
@@ -162,6 +164,9 @@ class Run:
             _, _, aid, number, t, watching, _members = msg
             if number >= self.runs.get(aid, (0, 0.0))[0]:
                 self.runs[aid] = (number, t)
+            self.firsts[number] = min(t, self.firsts.get(number, t))
+        elif kind == "joined":
+            self.joined[msg[2]] = msg[3]
             if watching:
                 self.watcher = aid
         elif kind == "error":
@@ -258,6 +263,7 @@ def measure(backend: str, n: int, scenarios: list[str], args: argparse.Namespace
             cpu_form = cpu_s(server_pid) - cpu0
             rows.append(_row(backend, n, "form" if not growth else "form (1:N+2)", t_form, run,
                              "t0", "formed", first, cpu_form, setup_s, args))
+            timeline(run, t0, first, got[0] if got is not None else None)
             if got is None or not growth:
                 return rows
             number = got[0]
@@ -319,6 +325,18 @@ def _row(backend: str, n: int, phase: str, t: float | None, run: Run, a: str, b:
     return row
 
 
+def timeline(run: Run, t0: float, agents: set[int], number: int | None) -> None:
+    """Where a formation's time went: agents joined (their join returned), the round's
+    first and last runner."""
+    joins = sorted(run.joined[a] - t0 for a in agents if a in run.joined)
+    if not joins:
+        return
+    parts = [f"joined: half {joins[len(joins) // 2]:.2f} s, all {joins[-1]:.2f} s ({len(joins)})"]
+    if number is not None and number in run.firsts:
+        parts.append(f"round {number} first run {run.firsts[number] - t0:.2f} s")
+    print("      timeline: " + "; ".join(parts), flush=True)
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None or x != x else format(x, spec)
 
@@ -350,8 +368,10 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=16, help="processes the agents are spread over")
     ap.add_argument("--last-call", type=float, default=1.0)
     ap.add_argument("--heartbeat-interval", type=float, default=None,
-                    help="default: the agent's default for this N (max(1, N/2000) s)")
-    ap.add_argument("--heartbeat-timeout", type=float, default=None, help="default: 5 x interval")
+                    help="default: the agent's default for this N and backend "
+                    "(flexrun.config.keepalive_defaults)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=None,
+                    help="default: the agent's default (5 x a given interval)")
     ap.add_argument("--wait", type=float, default=0.5,
                     help="an agent's tick: h.wait() timeout between steps (the agent uses 0.1 s "
                     "with workers, 0.5 s without; a quiet tick costs a follower no store request "
@@ -385,8 +405,12 @@ def main() -> int:
         sizes = args.torch_sizes if backend == "torch" else args.sizes
         scenarios = ["form"] if backend == "torch" else args.scenarios
         for n in sizes:
-            interval = args.heartbeat_interval or max(1.0, n / 2000)
-            timeout = args.heartbeat_timeout or 5 * interval
+            from flexrun.config import keepalive_defaults
+
+            default = keepalive_defaults(n, etcd=backend == "etcd")
+            interval = args.heartbeat_interval or default[0]
+            timeout = args.heartbeat_timeout or (default[1] if not args.heartbeat_interval
+                                                 else 5 * interval)
             a = argparse.Namespace(**{**vars(args), "heartbeat_interval": interval,
                                       "heartbeat_timeout": timeout})
             print(f"-- {backend} N={n}: keep-alive every {interval:g}s (timeout {timeout:g}s)",

@@ -232,6 +232,7 @@ class Agent:
             if not self.joined:
                 self.h.join()
                 self.joined = True
+                self.report("joined", self.aid, time.monotonic())
             changed = self.h.wait(0)  # the agent's wait, timed out (or woken) by now
             if self.pending is None or changed:
                 action = self.h.step(self.running)

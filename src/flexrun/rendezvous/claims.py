@@ -2,7 +2,8 @@
 
 Owns the claim key's bookkeeping for one handler (:class:`Claims`): when to read it (as
 the watcher every step; as a follower when the header changed, and otherwise every
-``max(heartbeat_interval, heartbeat_timeout / 2)``), the holder's keep-alive, claiming by
+``max(heartbeat_interval, heartbeat_timeout / 2)``), the holder's keep-alive (on that
+periodic check, or when the holder changed), claiming by
 compare-and-set when :func:`flexrun.rendezvous.follow.should_claim` says so, and handing
 the role over on a graceful leave.
 """
@@ -49,9 +50,11 @@ class Claims:
         and claim the role when :func:`should_claim` says so."""
         h = self.h
         changed, self._seen_at = hdr_rev != self._seen_at, hdr_rev
-        if not (self.watching or self.claim is None or hdr is None or changed or self.due(now)):
+        periodic = self.due(now)
+        if not (self.watching or self.claim is None or hdr is None or changed or periodic):
             return
-        self._next = now + self.interval()
+        if periodic:
+            self._next = now + self.interval()
         entry = h.store.get(h.keys.watcher)
         claim: Claim | None = None
         if entry is not None:
@@ -61,7 +64,16 @@ class Claims:
                 h.rejected(h.keys.watcher, f"corrupt: {exc}"[:200])
         rev = entry.revision if entry is not None else 0
         alive: bool | None = None
-        if claim is not None and claim.node and claim.node != h.me.node_id:
+        holder = self.claim.node if self.claim is not None else None
+        if (
+            claim is not None
+            and claim.node
+            and claim.node != h.me.node_id
+            and (periodic or claim.node != holder)
+        ):
+            # The holder's keep-alive: on the periodic check (what bounds the fallback),
+            # or when the holder is new to this node; not at every header change (a
+            # round's publication would cost every follower a second read).
             alive = h.store.get(h.keys.heartbeat(claim.node)) is not None
         if claim is None:
             self._vacant_since = now if self._vacant_since is None else self._vacant_since

@@ -42,7 +42,7 @@ from flexrun.rendezvous.state import (
     RoundRecord,
 )
 from flexrun.rendezvous.watcher import Watcher
-from flexrun.store.api import Store
+from flexrun.store.api import Entry, Store
 from flexrun.store.signed import is_signed, report_to
 
 log = logging.getLogger("flexrun.rendezvous")
@@ -160,7 +160,21 @@ class RendezvousHandler:
     def read_header(self) -> tuple[RoundRecord | None, int]:
         """The current header and its revision. An older header than this node has seen
         (a replay) is rejected: the newest seen stands in for it (``replayed`` is set)."""
-        entry = self.store.get(self.keys.round)
+        return self._header_of(self.store.get(self.keys.round))
+
+    def _read_header_at(self) -> tuple[RoundRecord | None, int, int]:
+        """:meth:`read_header` and the store revision to watch from. One request where
+        the store says which revision a read saw (``get_at``: etcd), else two."""
+        get_at = getattr(self.store, "get_at", None)
+        if get_at is not None:
+            entry, since = get_at(self.keys.round)
+        else:
+            since = self.store.revision()
+            entry = self.store.get(self.keys.round)
+        hdr, rev = self._header_of(entry)
+        return hdr, rev, since
+
+    def _header_of(self, entry: Entry | None) -> tuple[RoundRecord | None, int]:
         self.replayed = False
         if entry is None:
             return None, 0
@@ -212,10 +226,9 @@ class RendezvousHandler:
         """
         now = self.clock.monotonic()
         quiet, self._quiet = self._quiet, False
-        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled():
+        if quiet and not self.watching and not self._claims.due(now) and self._settled():
             return self._checked(self._follower.again(running), running, now)
-        self._since_rev = self.store.revision()
-        hdr, rev = self.read_header()
+        hdr, rev, self._since_rev = self._read_header_at()
         now = self.clock.monotonic()
         self._claims.update(hdr, rev, now)
         if self.watching:
@@ -224,6 +237,22 @@ class RendezvousHandler:
             action = self._follower.step(running, hdr, now)
         self._changes.arm(self.watched_prefix(), self._since_rev)
         return self._checked(action, running, now)
+
+    def _settled(self) -> bool:
+        """A follower's decision cannot change until what it watches changes: its round
+        is settled, or no round exists yet while another node holds the watcher claim (the
+        header and the claim are both under the watched prefix; the holder's keep-alive is
+        checked when :meth:`Claims.due`). Not so once rounds were seen (``floor``): a
+        missing header then means the store lost it, and restoring it needs a read."""
+        if self._follower.settled():
+            return True
+        claim = self._claims.claim
+        return (
+            self.round is None
+            and self.floor == 0
+            and claim is not None
+            and claim.node not in ("", self.me.node_id)
+        )
 
     @property
     def watching(self) -> bool:

@@ -257,6 +257,13 @@ class EtcdStore:
         _, kvs = self._range(key)
         return self._entry(kvs[0])[1] if kvs else None
 
+    def get_at(self, key: str) -> tuple[Entry | None, int]:
+        """:meth:`get` and the store revision the read saw (one request instead of a
+        :meth:`revision` and a :meth:`get`): a watch from that revision misses nothing
+        written after the read."""
+        rev, kvs = self._range(key)
+        return (self._entry(kvs[0])[1] if kvs else None), rev
+
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         """Every key under ``prefix``. A repeated call asks etcd only for the keys
         modified since the last one (``min_mod_revision``) and, in the same transaction,

@@ -638,3 +638,70 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
     assert isinstance(act, Run) and act.round.number == 2
     for h in (a, b, c):
         h.leave()
+
+
+class Requests:
+    """A store that counts every request made through it."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.count = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name in ("wait_for_change",) or not callable(attr):
+            return attr
+
+        def counted(*args: object, **kw: object) -> object:
+            self.count += 1
+            return attr(*args, **kw)
+
+        return counted
+
+
+@pytest.mark.timeout(30)
+def test_a_follower_waiting_for_the_first_round_makes_no_request_on_a_quiet_tick() -> None:
+    import threading
+    import time
+
+    from flexrun._clock import SYSTEM_CLOCK
+
+    store = MemoryStore()
+    s = RendezvousSettings(
+        min_nodes=3, max_nodes=3, last_call_s=0, heartbeat_interval_s=10, heartbeat_timeout_s=60
+    )
+
+    def handler(node: str, st: object) -> RendezvousHandler:
+        h = RendezvousHandler(
+            st,  # type: ignore[arg-type]
+            run_id="job",
+            me=NodeRecord(node, "h", 1),
+            settings=s,
+            events=EventLog(None, run_id="job", node=node),
+            clock=SYSTEM_CLOCK,
+        )
+        h._beat()
+        store.put(h.keys.node(node), h.me.encode())
+        return h
+
+    a = handler("a", store)
+    spy = Requests(store)
+    b = handler("b", spy)
+    assert a.step(None) == Wait("waiting for nodes: 2 of min 3") or not a.round
+    assert a.watching
+    assert isinstance(b.step(None), Wait) and not b.watching
+    b.wait(0.05)
+    b.step(None)  # reads once more after its own arm; from here on nothing changes
+    before = spy.count
+    for _ in range(10):  # an agent's loop before the first round: wait a tick, step
+        assert not b.wait(0.02)
+        assert b.step(None) == Wait("waiting for the first round")
+    assert spy.count == before, spy.count - before
+    c = handler("c", store)
+    threading.Timer(0.1, lambda: a.step(None)).start()  # the watcher proposes [a, b, c]
+    t0 = time.monotonic()
+    while not b.wait(0.05):
+        assert time.monotonic() - t0 < 5
+    assert isinstance(b.step(None), Run)
+    for h in (a, b, c):
+        h.leave()
