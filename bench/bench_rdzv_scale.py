@@ -165,10 +165,10 @@ class Run:
             if number >= self.runs.get(aid, (0, 0.0))[0]:
                 self.runs[aid] = (number, t)
             self.firsts[number] = min(t, self.firsts.get(number, t))
-        elif kind == "joined":
-            self.joined[msg[2]] = msg[3]
             if watching:
                 self.watcher = aid
+        elif kind == "joined":
+            self.joined[msg[2]] = msg[3]
         elif kind == "error":
             self.errors.append(f"agent {msg[2]}: {msg[3]}")
         elif kind == "retry":

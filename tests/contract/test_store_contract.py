@@ -274,3 +274,26 @@ def test_a_directory_watch_after_a_read_wakes_on_the_next_write_only(store: Stor
     assert not store.wait_for_change("dirw/", since, timeout_s=0.3)[0]
     store.put("dirw/k", b"1")
     assert store.wait_for_change("dirw/", since, timeout_s=5)[0]
+
+
+def test_get_at_sees_what_get_sees_and_a_watch_from_its_revision_misses_no_later_write(
+    store: Store,
+) -> None:
+    """The optional ``get_at`` (etcd; the signed wrapper on every backend): the entry and a
+    revision no older than it, from which a watch sees the next write and nothing before."""
+    from flexrun.store.signed import SignedStore
+
+    rev_a = store.put("at/a", b"1")
+    for s in (store, SignedStore(store, b"0123456789abcdef0123")):
+        get_at = getattr(s, "get_at", None)
+        if get_at is None:
+            continue
+        s.put("at/b", b"2")
+        entry, seen = get_at("at/b")
+        assert entry is not None and entry.value == b"2" and seen >= entry.revision > rev_a
+        absent, seen_absent = get_at("at/none")
+        assert absent is None and seen_absent >= seen
+        assert s.wait_for_change("at/", seen_absent, 0.2) == (False, seen_absent)
+        threading.Timer(0.1, lambda s=s: s.put("at/c", b"3")).start()
+        changed, _ = s.wait_for_change("at/", seen_absent, 5.0)
+        assert changed
