@@ -278,8 +278,17 @@ class RendezvousHandler:
 
     # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
-        """What :meth:`wait` waits on: the watcher all of ``s/``, the others the round."""
-        return self.keys.watched if self.watching else self.keys.round_dir
+        """What :meth:`wait` waits on: the watcher all of ``s/``; a follower the header
+        alone once another node holds the watcher claim (so that the claim race at a job's
+        start does not wake every node again: a watcher that leaves touches the header, a
+        dead one is found by the periodic claim check, and before the first header exists
+        a vacated claim by that check too), else the round directory (header and claim)."""
+        if self.watching:
+            return self.keys.watched
+        claim = self._claims.claim
+        if claim is not None and claim.node not in ("", self.me.node_id):
+            return self.keys.round
+        return self.keys.round_dir
 
     def wait(self, timeout_s: float) -> bool:
         """Block until the watched state may have changed since the last :meth:`step`, or
