@@ -41,6 +41,11 @@ class Claims:
         s = self.h.settings
         return max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2)
 
+    def held_elsewhere(self) -> bool:
+        """Another node holds the watcher claim (as last read)."""
+        c = self.claim
+        return c is not None and c.node not in ("", self.h.me.node_id)
+
     def due(self, now: float) -> bool:
         return now >= self._next
 

@@ -31,6 +31,7 @@ from flexrun.rendezvous.claims import Claims
 from flexrun.rendezvous.decide import Action, Run, Wait, counted_failure, failure_round
 from flexrun.rendezvous.follower import Follower
 from flexrun.rendezvous.keepalive import KeepAlive
+from flexrun.rendezvous.records import get_at
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
@@ -162,18 +163,6 @@ class RendezvousHandler:
         (a replay) is rejected: the newest seen stands in for it (``replayed`` is set)."""
         return self._header_of(self.store.get(self.keys.round))
 
-    def _read_header_at(self) -> tuple[RoundRecord | None, int, int]:
-        """:meth:`read_header` and the store revision to watch from. One request where
-        the store says which revision a read saw (``get_at``: etcd), else two."""
-        get_at = getattr(self.store, "get_at", None)
-        if get_at is not None:
-            entry, since = get_at(self.keys.round)
-        else:
-            since = self.store.revision()
-            entry = self.store.get(self.keys.round)
-        hdr, rev = self._header_of(entry)
-        return hdr, rev, since
-
     def _header_of(self, entry: Entry | None) -> tuple[RoundRecord | None, int]:
         self.replayed = False
         if entry is None:
@@ -221,14 +210,14 @@ class RendezvousHandler:
 
         Returns the decided action; a performed proposal returns ``Wait`` so the caller
         reads again (whether or not it won). A follower whose last :meth:`wait` saw no
-        change decides from what it read before, without a request (an agent steps every
-        monitor interval: 0.1 s).
+        change decides from what it read before, without a request.
         """
         now = self.clock.monotonic()
         quiet, self._quiet = self._quiet, False
-        if quiet and not self.watching and not self._claims.due(now) and self._settled():
+        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled(self._claims):
             return self._checked(self._follower.again(running), running, now)
-        hdr, rev, self._since_rev = self._read_header_at()
+        entry, self._since_rev = get_at(self.store, self.keys.round)
+        hdr, rev = self._header_of(entry)
         now = self.clock.monotonic()
         self._claims.update(hdr, rev, now)
         if self.watching:
@@ -237,22 +226,6 @@ class RendezvousHandler:
             action = self._follower.step(running, hdr, now)
         self._changes.arm(self.watched_prefix(), self._since_rev)
         return self._checked(action, running, now)
-
-    def _settled(self) -> bool:
-        """A follower's decision cannot change until what it watches changes: its round
-        is settled, or no round exists yet while another node holds the watcher claim (the
-        header and the claim are both under the watched prefix; the holder's keep-alive is
-        checked when :meth:`Claims.due`). Not so once rounds were seen (``floor``): a
-        missing header then means the store lost it, and restoring it needs a read."""
-        if self._follower.settled():
-            return True
-        claim = self._claims.claim
-        return (
-            self.round is None
-            and self.floor == 0
-            and claim is not None
-            and claim.node not in ("", self.me.node_id)
-        )
 
     @property
     def watching(self) -> bool:
@@ -278,17 +251,11 @@ class RendezvousHandler:
 
     # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
-        """What :meth:`wait` waits on: the watcher all of ``s/``; a follower the header
-        alone once another node holds the watcher claim (so that the claim race at a job's
-        start does not wake every node again: a watcher that leaves touches the header, a
-        dead one is found by the periodic claim check, and before the first header exists
-        a vacated claim by that check too), else the round directory (header and claim)."""
+        """What :meth:`wait` waits on: the watcher ``s/``; a follower the header alone while
+        another node holds the claim (a leaving one touches it), else the round directory."""
         if self.watching:
             return self.keys.watched
-        claim = self._claims.claim
-        if claim is not None and claim.node not in ("", self.me.node_id):
-            return self.keys.round
-        return self.keys.round_dir
+        return self.keys.round if self._claims.held_elsewhere() else self.keys.round_dir
 
     def wait(self, timeout_s: float) -> bool:
         """Block until the watched state may have changed since the last :meth:`step`, or

@@ -254,13 +254,10 @@ class EtcdStore:
 
     # -- protocol ---------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
-        _, kvs = self._range(key)
-        return self._entry(kvs[0])[1] if kvs else None
+        return self.get_at(key)[0]
 
     def get_at(self, key: str) -> tuple[Entry | None, int]:
-        """:meth:`get` and the store revision the read saw (one request instead of a
-        :meth:`revision` and a :meth:`get`): a watch from that revision misses nothing
-        written after the read."""
+        """:meth:`get` and the revision the read saw, in one request (see the api)."""
         rev, kvs = self._range(key)
         return (self._entry(kvs[0])[1] if kvs else None), rev
 
@@ -354,12 +351,7 @@ class EtcdStore:
         compare = (
             {"key": bkey, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
             if expected_revision == 0
-            else {
-                "key": bkey,
-                "result": "EQUAL",
-                "target": "MOD",
-                "mod_revision": expected_revision,
-            }
+            else {"key": bkey, "result": "EQUAL", "target": "MOD", "mod_revision": expected_revision}
         )
         # No failure branch: a loser learns that it lost, not the winner's value.
         txn = {"compare": [compare], "success": [{"request_put": {"key": bkey, "value": bvalue}}]}
