@@ -251,11 +251,8 @@ class RendezvousHandler:
 
     # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
-        """What :meth:`wait` waits on: the watcher ``s/``; a follower the header alone while
-        another node holds the claim (a leaving one touches it), else the round directory."""
-        if self.watching:
-            return self.keys.watched
-        return self.keys.round if self._claims.held_elsewhere() else self.keys.round_dir
+        """What :meth:`wait` waits on: the watcher all of ``s/``, the others the round."""
+        return self.keys.watched if self.watching else self.keys.round_dir
 
     def wait(self, timeout_s: float) -> bool:
         """Block until the watched state may have changed since the last :meth:`step`, or
