@@ -1,7 +1,7 @@
 """Who watches membership: reading the watcher claim, judging its holder, taking it over.
 
 Owns the claim key's bookkeeping for one handler (:class:`Claims`): when to read it (as
-the watcher every step; as a follower when the header changed, and otherwise every
+the watcher every step; as a follower when the header changed within a round, and every
 ``max(heartbeat_interval, heartbeat_timeout / 2)``), the holder's keep-alive (on that
 periodic check, or when the holder changed), claiming by
 compare-and-set when :func:`flexrun.rendezvous.follow.should_claim` says so, and handing
@@ -35,6 +35,7 @@ class Claims:
         self.was_watcher = False
         self._next = 0.0
         self._seen_at = -1  # header revision when the claim was last read
+        self._seen_number = -1  # and that header's round number
         self._vacant_since: float | None = None
 
     def interval(self) -> float:
@@ -54,9 +55,14 @@ class Claims:
         watcher proposes, a leaving one touches the header), judge the holder's keep-alive,
         and claim the role when :func:`should_claim` says so."""
         h = self.h
-        changed, self._seen_at = hdr_rev != self._seen_at, hdr_rev
+        number = hdr.number if hdr is not None else -1
+        # A header rewritten within one round (a touch by a leaving watcher, a failure
+        # report, closing) may mean a vacated claim; a new round was proposed by a live
+        # watcher, so its publication costs the followers no claim read.
+        touched = hdr_rev != self._seen_at and number == self._seen_number
+        self._seen_at, self._seen_number = hdr_rev, number
         periodic = self.due(now)
-        if not (self.watching or self.claim is None or hdr is None or changed or periodic):
+        if not (self.watching or self.claim is None or hdr is None or touched or periodic):
             return
         if periodic:
             self._next = now + self.interval()

@@ -268,9 +268,12 @@ def test_two_proposers_racing_for_one_round_yield_exactly_one() -> None:
     # real takeover makes. a has not read the claim since.
     entry = store.get(b.keys.watcher)
     assert entry is not None
-    assert store.compare_and_set(
+    ok, won = store.compare_and_set(
         b.keys.watcher, Claim("b", 2).encode(), expected_revision=entry.revision
-    )[0]
+    )
+    assert ok and won is not None
+    # b knows it won (its Claims made that compare-and-set in a real takeover)
+    b._claims.claim, b._claims.rev, b._claims.watching = Claim("b", 2), won.revision, True
     a_hdr, a_rev = a.read_header()
     b_hdr, b_rev = b.read_header()
     assert a_rev == b_rev and a_hdr is not None
@@ -288,7 +291,7 @@ def test_two_proposers_racing_for_one_round_yield_exactly_one() -> None:
     # The loser's list (with c) is gone; the winner's is there.
     assert store.get_prefix(Keys("job").members_of(pa.record.digest)) == {}
     assert store.get_prefix(Keys("job").members_of(r.digest)) != {}
-    a.step(1)  # a reads the claim (the header changed) and follows
+    a.step(1)  # a, the watcher, reads the claim every step: it follows
     assert not a.watching
     b.step(1)
     assert b.watching
@@ -705,3 +708,28 @@ def test_a_follower_waiting_for_the_first_round_makes_no_request_on_a_quiet_tick
     assert isinstance(b.step(None), Run)
     for h in (a, b, c):
         h.leave()
+
+
+def test_a_new_round_costs_a_follower_the_header_and_its_slice_but_a_touch_reads_the_claim() -> (
+    None
+):
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=2, max_nodes=3, last_call_s=0, heartbeat_interval_s=10, heartbeat_timeout_s=60
+    )
+    a = _handler(store, "a", clock, s)
+    spy = Reads(store)
+    b = _handler(spy, "b", clock, s)  # type: ignore[arg-type]
+    a.step(None)
+    assert isinstance(_settle(b, None), Run) and isinstance(_settle(a, None), Run)
+    _handler(store, "c", clock, s)
+    assert isinstance(a.step(1), Wait)  # a proposes [a, b, c]
+    spy.keys.clear()
+    act = b.step(1)
+    assert isinstance(act, Run) and act.round.number == 2
+    assert _reads_of(spy.keys, b.keys) == {"header", "own slice"}
+    a._claims.hand_over()  # a leaves gracefully: the claim is vacated, the header touched
+    spy.keys.clear()
+    b.step(2)
+    assert "claim" in _reads_of(spy.keys, b.keys) and b.watching
