@@ -196,3 +196,25 @@ def test_a_job_on_a_full_disk_trains_to_the_end(procs: Procs, full_tmpfs) -> Non
     )  # fmt: skip
     assert agent.wait(timeout=140) == 0, procs.stderr("fullok")[-3000:]
     assert max(r["step"] for r in read_progress(progress)) == 29
+
+
+@pytest.mark.timeout(200)
+def test_a_live_job_on_a_full_disk_trains_to_the_end(procs: Procs, full_tmpfs) -> None:  # type: ignore[no-untyped-def]
+    # Live mode keeps more in the run directory than restart mode (heartbeat files, epoch
+    # records, the spares' logs): none of it may stop a job whose disk is full.
+    progress = procs.tmp / "p.jsonl"  # (on a disk with space: what the test reads)
+    agent = procs.start(
+        [
+            "run", "--standalone", "--nproc-per-node", "2", "--mode", "live",
+            "--warm-spares", "1", "--run-dir", str(full_tmpfs / "run"),
+            str(LIVE_STEPS), "--steps", "60", "--step-time", "0.05", "--progress", str(progress),
+        ],
+        name="livefull",
+    )  # fmt: skip
+    assert agent.wait(timeout=180) == 0, procs.stderr("livefull")[-3000:]
+    rows = read_progress(progress)
+    assert max(r["step"] for r in rows if "step" in r) == 59, rows[-3:]
+    assert sorted(r["rank"] for r in rows if r.get("done")) == [0, 1]
+    err = procs.stderr("livefull")
+    assert "cannot write the job secret" in err  # (it went to memory instead)
+    assert "Traceback" not in err and "Errno 28" not in err, err[-3000:]

@@ -45,7 +45,7 @@ from flexrun.proc import (
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
-from flexrun.store.signed import write_secret_file
+from flexrun.store.signed import place_secret_file, remove_secret_file
 
 log = logging.getLogger("flexrun.agent")
 
@@ -147,7 +147,7 @@ class LiveRunner(LoopProgress):
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
         self._hb_root = config.run_dir / "live-heartbeats" / node_id
         self._secret_file = (
-            write_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
+            place_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
             if config.store.secret is not None
             else None
         )
@@ -403,7 +403,7 @@ class LiveRunner(LoopProgress):
     def close(self) -> None:
         self.stop(0)
         if self._secret_file is not None:
-            self._secret_file.unlink(missing_ok=True)
+            remove_secret_file(self._secret_file)
 
 
 def live_worker_env(

@@ -69,7 +69,17 @@ class Watcher:
                 log.warning("round %d: %s", hdr.number, exc)
                 return None
             self._keep(m.digest, known)
+        elif not self._stored(m.digest):
+            # A restarted store, and a follower put the header back without the list (it
+            # only knows its slice): every reader of the list would fail. Write it back.
+            log.warning("round %d: member list missing from the store: written back", hdr.number)
+            write_members(self.h.store, self.h.keys, known)
         return dataclasses.replace(hdr, members=known)
+
+    def _stored(self, digest: str) -> bool:
+        """Whether list ``digest`` is in the store (the memory of it can outlive a store
+        that restarted)."""
+        return self.h.store.get(self.h.keys.chunk(digest, 0)) is not None
 
     def _keep(self, digest: str, members: tuple[Member, ...]) -> None:
         self.lists[digest] = members
@@ -170,7 +180,7 @@ class Watcher:
         rec = dataclasses.replace(rec, seq=h.max_seq + 1, prev=prev)
         digest = rec.digest
         wrote = False
-        if rec.members and digest not in self.lists:
+        if rec.members and (digest not in self.lists or not self._stored(digest)):
             write_members(h.store, h.keys, rec.members)
             self._keep(digest, tuple(rec.members))
             wrote = True

@@ -40,10 +40,13 @@ keep-alive kept this way still expires by its ``seq``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import hmac
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -316,12 +319,65 @@ def write_secret_file(path: str | os.PathLike[str], secret: bytes) -> Path:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, secret)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
+        try:
+            if os.write(fd, secret) != len(secret):
+                raise OSError(errno.ENOSPC, "short write", str(tmp))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # (a full disk: no half-written secret left behind)
+        raise
     return target
+
+
+_SPARE_DIRS = ("/dev/shm", tempfile.gettempdir())
+"""Where a secret file goes when the run directory cannot take it (a full disk): memory
+first, each time in a fresh private (0700) directory."""
+
+
+def place_secret_file(preferred: Path, secret: bytes) -> Path:
+    """:func:`write_secret_file` at ``preferred``, else (that disk full or read-only) in a
+    private directory under ``/dev/shm`` or the temporary directory, with a warning; the
+    job must not stop because its run directory is full. Remove it with
+    :func:`remove_secret_file`.
+
+    Raises:
+        OSError: no candidate could take it (the last error).
+    """
+    try:
+        return write_secret_file(preferred, secret)
+    except OSError as exc:
+        first, error = exc, exc
+    for base in _SPARE_DIRS:
+        try:
+            private = Path(tempfile.mkdtemp(prefix="flexrun-secret-", dir=base))
+        except OSError as exc:
+            error = exc
+            continue
+        try:
+            placed = write_secret_file(private / preferred.name, secret)
+        except OSError as exc:
+            private.rmdir()
+            error = exc
+            continue
+        log.warning(
+            "cannot write the job secret under %s (%s); the workers read it from %s",
+            preferred.parent,
+            first.strerror or first,
+            placed,
+        )
+        return placed
+    raise error
+
+
+def remove_secret_file(path: Path) -> None:
+    """Remove a file :func:`place_secret_file` wrote (and its private directory)."""
+    path.unlink(missing_ok=True)
+    if path.parent.name.startswith("flexrun-secret-"):
+        with contextlib.suppress(OSError):  # (not empty: not ours alone; leave it)
+            path.parent.rmdir()
 
 
 __all__ = [
@@ -332,5 +388,7 @@ __all__ = [
     "open_record",
     "report_to",
     "seal",
+    "place_secret_file",
+    "remove_secret_file",
     "write_secret_file",
 ]

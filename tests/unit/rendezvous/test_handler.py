@@ -733,3 +733,43 @@ def test_a_new_round_costs_a_follower_the_header_and_its_slice_but_a_touch_reads
     spy.keys.clear()
     b.step(2)
     assert "claim" in _reads_of(spy.keys, b.keys) and b.watching
+
+
+def test_a_member_list_remembered_from_before_a_store_restart_is_written_again() -> None:
+    """Chaos finding (seed 12): round 1 had [a, b], round 2 [a, b, c]; the store restarted
+    and the follower b put the header back (it knows only its slice, not the list); then c
+    was lost and the watcher proposed [a, b] again: the same digest as round 1, remembered
+    in memory, so the list was not written. b's reading of the new round's members found
+    no chunk and its agent exited 2. Now every list the header names is in the store."""
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=1, max_nodes=3, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3
+    )
+    a, b = _handler(store, "a", clock, s), _handler(store, "b", clock, s)
+    a.step(None)
+    assert _settle(b, None).round.member_ids == ["a", "b"]
+    assert _settle(a, None).round.number == 1
+    c = _handler(store, "c", clock, s)
+    for _ in range(6):  # c joins: round 2 with all three
+        clock.advance(0.5)
+        _beat(a, b, c)
+        for h in (a, b, c):
+            h.step(1 if h is not c else None)
+    assert _round(store).member_ids == ["a", "b", "c"]
+    for h in (a, b, c):
+        assert _settle(h, None).round.number == 2
+    _wipe(store)  # the store restarted
+    assert b.step(2) == Wait("training")  # b restores the header alone
+    a.step(2)
+    assert list(_round(store).members) and _round(store).member_ids == ["a", "b", "c"]
+    for _ in range(10):  # c is gone: its keep-alive stops
+        clock.advance(0.5)
+        _beat(a, b)
+        a.step(2)
+        b.step(2)
+        if _round(store).number > 2:
+            break
+    act = _settle(b, None)
+    assert act.round.member_ids == ["a", "b"]  # (read from the store: it is there)
+    assert _round(store).member_ids == ["a", "b"]

@@ -3,10 +3,22 @@ replayed records are ignored (and reported once), and none of them can block a w
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from flexrun.store.memory import MemoryStore
-from flexrun.store.signed import MAGIC, MAX_RECORD, SignedStore, open_record, seal
+from flexrun.store.signed import (
+    MAGIC,
+    MAX_RECORD,
+    SignedStore,
+    open_record,
+    place_secret_file,
+    remove_secret_file,
+    seal,
+    write_secret_file,
+)
 from flexrun.testing import FakeClock
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -168,3 +180,42 @@ def test_envelopes_bind_key_sequence_and_ttl() -> None:
     assert open_record(SECRET, "k", raw.replace(b" 5.0\n", b" 50.0\n")) == "bad signature"
     with pytest.raises(ValueError):
         SignedStore(MemoryStore(), b"short")
+
+
+def test_a_secret_file_goes_where_it_was_asked_when_it_can(tmp_path: Path) -> None:
+    placed = place_secret_file(tmp_path / "run" / ".job-secret-n0", b"k" * 32)
+    assert placed == tmp_path / "run" / ".job-secret-n0"
+    assert placed.read_bytes() == b"k" * 32 and placed.stat().st_mode & 0o777 == 0o600
+    remove_secret_file(placed)
+    assert not placed.exists() and (tmp_path / "run").is_dir()
+
+
+def test_a_run_directory_that_cannot_take_the_secret_sends_it_to_a_private_directory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "run"
+    blocker.write_text("a file where the run directory should be")  # mkdir fails: ENOTDIR
+    placed = place_secret_file(blocker / ".job-secret-n0", b"s" * 32)
+    assert placed.read_bytes() == b"s" * 32
+    assert placed.parent.name.startswith("flexrun-secret-")
+    assert placed.parent.stat().st_mode & 0o777 == 0o700
+    assert "cannot write the job secret" in caplog.text
+    remove_secret_file(placed)
+    assert not placed.parent.exists()
+
+
+def test_a_write_that_fails_leaves_no_partial_secret_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.write
+    calls = []
+
+    def short(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        return real(fd, data[:3])  # (a disk that fills after 3 bytes)
+
+    monkeypatch.setattr(os, "write", short)
+    with pytest.raises(OSError):
+        write_secret_file(tmp_path / "secret", b"x" * 32)
+    monkeypatch.undo()
+    assert calls and list(tmp_path.iterdir()) == []
