@@ -86,3 +86,57 @@ def test_a_worker_killed_soon_after_a_warm_restart_finds_its_replacement_spare_s
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=30) == 143, procs.stderr("agent")[-3000:]
     assert alive_pids(pids) == []  # type: ignore[arg-type]
+
+
+def _round_pids(run_dir: object, rnd: int) -> list[int]:
+    return [
+        int(e["pid"])
+        for e in read_events(run_dir)  # type: ignore[arg-type]
+        if e["event"] == "worker_started" and e["round"] == rnd
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_failure_right_after_a_warm_restart_is_served_by_spares_forked_before_it(
+    procs: Procs,
+) -> None:
+    """Issue 20 (a burst of failures), default flags: a restart takes every local worker's
+    spare; the pool refills by fork at once, so a kill at the restarted round's first step
+    finds ready spares for all of the next round's workers."""
+    run_dir = procs.tmp / "run"
+    progress = procs.tmp / "progress.jsonl"
+    agent = procs.start(
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "5",
+            "--monitor-interval",
+            "0.1",
+            "--run-dir",
+            str(run_dir),
+            *endless(DDP_STEPS, progress),
+        ],
+        name="agent",
+    )
+    spares = run_dir / "logs" / "spares"
+    first = wait_for(lambda: len(_round_pids(run_dir, 1)) == 2 or None, 60, "round 1's workers")
+    wait_for(lambda: len(list(spares.glob("spare-*.ready"))) >= 2, 60, "2 ready spares")
+    os.kill(_round_pids(run_dir, 1)[0], signal.SIGKILL)
+    wait_for(lambda: len(_round_pids(run_dir, 2)) == 2 or None, 30, "round 2's workers")
+    second = _round_pids(run_dir, 2)
+    wait_for(lambda: _trained(progress, second[1]), 30, "round 2's first step")  # type: ignore[arg-type]
+    forked = {p.pid for p in descendants(agent.pid) if "--fork-server" in " ".join(p.cmdline())}
+    os.kill(second[1], signal.SIGKILL)
+    wait_for(lambda: len(_round_pids(run_dir, 3)) == 2 or None, 30, "round 3's workers")
+    third = _round_pids(run_dir, 3)
+    wait_for(lambda: all(_trained(progress, p) for p in third), 30, "round 3's first steps")  # type: ignore[arg-type]
+    assert set(third) <= forked, (
+        f"round 3's workers {third} were not spares forked before the second kill "
+        f"({sorted(forked)})"
+    )
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 143, procs.stderr("agent")[-3000:]
+    assert first and alive_pids([*second, *third, *forked]) == []

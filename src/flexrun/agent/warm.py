@@ -41,6 +41,9 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
         node=config.spares_dir,
         # (A restart needs a spare per local worker: beyond that, refill in batches.)
         max_booting=config.nproc_per_node,
+        # A restart takes every local worker's spare at once: refill by fork, in
+        # milliseconds, so that a second failure right after the first finds them ready.
+        fork_server=True,
     )
 
 

@@ -12,7 +12,10 @@ pay for it ahead of need):
 - :mod:`.trust`: this user only (directory owner and mode, ``SO_PEERCRED``);
 - :mod:`.become` and :mod:`.lifeline`: the receiving side of a hand-over, dying with the
   owner, signals, exit codes;
-- :mod:`.spare`: a spare's entry point (``python -m flexrun.spares.spare``). The warm
+- :mod:`.forks` and :mod:`.forkserver`: a pool's fork server (zygote), which pays the
+  imports once and forks each spare, and the pool's side of it;
+- :mod:`.spare`: a spare's entry point (``python -m flexrun.spares.spare``, with
+  ``--fork-server`` the zygote's). The warm
   agent's entry point is :mod:`flexrun.warm_agent` (it runs the CLI, which sits above).
 
 Imports nothing at package import, so a spare's start pays only for what it uses.

@@ -52,7 +52,11 @@ EXIT_RECORD_ENV = "FLEXRUN_SPARE_EXIT_RECORD"
 """Set for a daemon's spares: where the spare records its own exit code once taken."""
 AGENT_SOCKET_ENV = "FLEXRUN_WARM_AGENT_SOCKET"
 """Set for a warm agent: the socket it listens on for its ``flexrun run``."""
+ZYGOTE_ROOT_ENV = "FLEXRUN_ZYGOTE_ROOT"
+"""Set for a pool's fork server: the directory its spares' files go under."""
 SPARE_MODULE = "flexrun.spares.spare"
+FORK_SERVER_FLAG = "--fork-server"
+"""``python -m flexrun.spares.spare --fork-server``: a pool's zygote (``spares.forks``)."""
 WARM_AGENT_MODULE = "flexrun.warm_agent"
 
 OPS = ("status", "take", "take_agent")

@@ -63,6 +63,7 @@ def test_only_the_spares_entry_point_loads_torch() -> None:
         "import sys\n"
         "import flexrun.spares.pool, flexrun.spares.daemon, flexrun.spares.client\n"
         "import flexrun.spares.become, flexrun.spares.protocol, flexrun.spares.trust\n"
+        "import flexrun.spares.forks, flexrun.spares.forkserver\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('flexrun.agent',"
         " 'flexrun.cli', 'flexrun.train'))]\n"
         "assert not bad, bad\n"
