@@ -31,6 +31,7 @@ a run still going then counts as hung, a non-zero exit as died. After each run e
 invariant of ``flexrun.testing.invariants`` is checked.
 
     flock -x -w 2400 /tmp/flexrun-heavy.lock timeout 1500 python3 bench/bench_goodput.py
+    python3 bench/bench_goodput.py --interval 12 --jitter 0.167   # a kill every 10-14 s
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=15)
     p.add_argument("--duration", type=float, default=180.0)
-    p.add_argument("--interval", type=float, default=15.0)
+    p.add_argument("--interval", type=float, default=15.0, help="mean seconds between kills")
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=0.3,
+        help="each gap is interval x (1 +- jitter), uniform (default 0.3; --interval 12 "
+        "--jitter 0.167: a kill every 10-14 s)",
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=1800)
     p.add_argument("--step-sleep", type=float, default=0.09)
@@ -62,7 +70,11 @@ def main() -> int:
 
     root = Path(a.root or tempfile.mkdtemp(prefix="flexrun-goodput-"))
     faults = make_schedule(
-        a.seed, duration_s=a.duration, interval_s=a.interval, kinds=("kill_worker",)
+        a.seed,
+        duration_s=a.duration,
+        interval_s=a.interval,
+        kinds=("kill_worker",),
+        jitter=a.jitter,
     )
     print(f"flexrun goodput bench: {os.cpu_count()} cpus, load {os.getloadavg()}, root {root}")
     print(

@@ -9,6 +9,10 @@ mid-way leaves at worst one partial last line, which :func:`read_events` skips.
 A log that cannot be written (a full or failing disk) never stops the run: the line is
 dropped and counted, stderr says so once, and the next line that can be written is
 preceded by an ``events_dropped`` record with the count (the log resumes by itself).
+
+With ``echo_stderr`` (``--event-log-handler console``, torchrun's console handler) each
+record is also written to stderr, the same JSON object on a line of its own (one
+``write(2)``, so it never interleaves with worker lines copied to the same stream).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class EventLog:
         run_id: str,
         node: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        echo_stderr: bool = False,
     ) -> None:
         self._path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
         self.run_id = run_id
@@ -47,6 +52,8 @@ class EventLog:
         self.dropped = 0
         """Lines lost to write errors since the log was last writable."""
         self.dropped_total = 0
+        self.echo_fd: int | None = 2 if echo_stderr else None
+        """Where each record is also written (stderr with ``echo_stderr``; None: nowhere)."""
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -64,13 +71,16 @@ class EventLog:
             "round": fields.pop("round", self.round),
         }
         record.update(fields)
-        if self._path is None:
+        if self._path is None and self.echo_fd is None:
             return record
-        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+        line = format_event(record)
         with self._lock:
+            self._echo(line)
+            if self._path is None:
+                return record
             if self.dropped:
                 gap = {**record, "event": "events_dropped", "dropped": self.dropped}
-                line = (json.dumps(gap, default=str, separators=(",", ":")) + "\n").encode() + line
+                line = format_event(gap) + line
             try:
                 self._append(self._path, line)
             except OSError as exc:
@@ -78,6 +88,18 @@ class EventLog:
             else:
                 self.dropped = 0
         return record
+
+    def _echo(self, line: bytes) -> None:
+        if self.echo_fd is None:
+            return
+        view = memoryview(line)
+        try:
+            while view:  # (one write(2) unless the line is larger than the pipe takes)
+                view = view[os.write(self.echo_fd, view) :]
+        except OSError:
+            # The console went away (a closed or broken stderr: nowhere left to say so);
+            # stop echoing, the file log goes on.
+            self.echo_fd = None
 
     @staticmethod
     def _append(path: Path, line: bytes) -> None:
@@ -96,6 +118,11 @@ class EventLog:
             )
         self.dropped += 1
         self.dropped_total += 1
+
+
+def format_event(record: dict[str, Any]) -> bytes:
+    """One event as its log line: compact JSON (anything not JSON as ``str``), a newline."""
+    return (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from allowed import allow
 from compat_support import Run
 
@@ -163,10 +162,3 @@ def flexrun_logs(run: Run, log_dir: str) -> dict[tuple[int, str], str]:
 def error_message(path: str) -> dict:
     data = json.loads(Path(path).read_text())
     return data["message"] if isinstance(data.get("message"), dict) else data
-
-
-PENDING_AGENT = "issue 21: {} needs the agent's process changes (lead), not built yet"
-
-
-def pending(what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=PENDING_AGENT.format(what))

@@ -22,15 +22,34 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import psutil
+import pytest
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
 PROBE = SCRIPTS / "probe.py"
 SRC = HERE.parents[1] / "src"
 LAUNCHERS = ("torchrun", "flexrun")
+TORCH = version("torch")
+_TORCH_MINOR = tuple(int(x) for x in TORCH.split("+")[0].split(".")[:2])
+
+
+def torchrun_2_13(why: str) -> pytest.MarkDecorator:
+    """Skip a case whose reference is a torchrun 2.13 behaviour the installed torchrun
+    lacks: flexrun follows torch 2.13's launcher on purpose, whatever torch is installed."""
+    return pytest.mark.skipif(
+        _TORCH_MINOR < (2, 13), reason=f"torchrun {TORCH} {why}; flexrun follows torchrun 2.13"
+    )
+
+
+OLD_DEFAULT_BACKEND = torchrun_2_13(
+    "runs its static backend on 127.0.0.1:29500 without rendezvous flags (2.13: c10d on "
+    "localhost:0, MASTER_ADDR=localhost)"
+)
+NO_SHUTDOWN_TIMEOUT = torchrun_2_13("has no --shutdown-timeout")
 WORKER_LINE = re.compile(r"(?:out|err) line \d+ rank \d+.*|trained .*|stdin said .*|handshake .*")
 
 

@@ -14,7 +14,6 @@ import pytest
 from allowed import allow
 from compat_checks import (
     flexrun_logs,
-    pending,
     same_bare_lines,
     same_console_lines,
     succeeded,
@@ -108,7 +107,6 @@ def _filtered(run_dir: Path, stream: str) -> list[str]:
     return sorted(ln for p in found for ln in p.read_text().splitlines() if ln.strip())
 
 
-@pending("--duplicate-stdout-filters/--duplicate-stderr-filters files")
 @pytest.mark.timeout(300)
 def test_duplicate_filters_copy_matching_lines(runner: Runner) -> None:
     runs = runner(DUPLICATE)
@@ -164,7 +162,6 @@ def _json_lines(text: str) -> list[dict]:
     return out
 
 
-@pending("--event-log-handler console (events also on stderr)")
 @pytest.mark.timeout(300)
 def test_event_log_handler_console_writes_events_to_stderr(runner: Runner) -> None:
     runs = runner(EVENTS)
@@ -202,7 +199,6 @@ SPECS = Case(
 )
 
 
-@pending("--logs-specs (the agent takes each worker's paths from LogsSpecs.reify)")
 @pytest.mark.timeout(300)
 def test_a_logs_specs_plugin_decides_the_files(runner: Runner, tmp_path: Path) -> None:
     site = Path(__file__).parent / "scripts"

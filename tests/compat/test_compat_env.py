@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from compat_checks import same_env, same_script_view, succeeded
-from compat_support import SCRIPTS, Case, Runner
+from compat_support import NO_SHUTDOWN_TIMEOUT, OLD_DEFAULT_BACKEND, SCRIPTS, Case, Runner
 
 ENDPOINT = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}")
 SHORT_LAST_CALL = ("--rdzv-conf", "last_call_timeout=1")  # torchrun waits 30 s otherwise
@@ -55,8 +55,25 @@ CASES = [
 ]  # fmt: skip
 
 
+# Cases whose reference is torchrun 2.13's own behaviour (an older torchrun differs).
+SINCE_2_13 = {
+    "defaults": OLD_DEFAULT_BACKEND,
+    "default_nproc_static_one_node": OLD_DEFAULT_BACKEND,
+    "run_path": OLD_DEFAULT_BACKEND,
+    "signals_and_shutdown_timeout": NO_SHUTDOWN_TIMEOUT,
+}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("case", "workers", "run_id"), CASES, ids=[c[0].name for c in CASES])
+@pytest.mark.parametrize(
+    ("case", "workers", "run_id"),
+    [
+        pytest.param(
+            *c, id=c[0].name, marks=[SINCE_2_13[c[0].name]] if c[0].name in SINCE_2_13 else []
+        )
+        for c in CASES
+    ],
+)
 def test_workers_see_the_same_environment(
     runner: Runner, case: Case, workers: int | None, run_id: str | None
 ) -> None:

@@ -21,7 +21,7 @@ from compat_checks import (
     same_env,
     succeeded,
 )
-from compat_support import Case, Run, Runner, wait_for_probes
+from compat_support import NO_SHUTDOWN_TIMEOUT, Case, Run, Runner, wait_for_probes
 
 FAILURES = [
     (Case("worker_exits_3", ("--standalone", "--nproc-per-node", "2"),
@@ -120,6 +120,7 @@ SIGTERM = Case(
 )
 
 
+@NO_SHUTDOWN_TIMEOUT
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_agent_stops_the_job(runner: Runner) -> None:
     runs = runner(SIGTERM)

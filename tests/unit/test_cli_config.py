@@ -267,9 +267,11 @@ def _plugin_dist(root: Path, group: str, name: str, value: str) -> None:
     (info / "entry_points.txt").write_text(f"[{group}]\n{name} = {value}\n")
 
 
-def test_logs_specs_entry_point_is_loaded_and_checked(
+def test_logs_specs_entry_point_is_found_and_the_agent_loads_and_checks_it(
     script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from flexrun.agent.logs_specs import load_logs_specs
+
     site = tmp_path / "site"
     _plugin_dist(site, "torchrun.logs_specs", "mine", "fakeplugin_mod:Specs")
     (site / "fakeplugin_mod.py").write_text(
@@ -284,12 +286,20 @@ def test_logs_specs_entry_point_is_loaded_and_checked(
         )
     )
     monkeypatch.syspath_prepend(str(site))
-    assert cfg(["--logs-specs", "mine", script]).logs_specs == "mine"
+    c = cfg(["--logs-specs", "mine", "--log-dir", str(tmp_path / "logs"), script])
+    assert c.logs_specs == "mine"
+    specs = load_logs_specs(c)
+    assert type(specs).__name__ == "Specs" and specs.root_log_dir == str(tmp_path / "logs")
+    assert load_logs_specs(cfg([script])) is None
     (site / "fakeplugin-1.0.dist-info" / "entry_points.txt").write_text(
-        "[torchrun.logs_specs]\nmine = fakeplugin_mod:NotSpecs\n"
+        "[torchrun.logs_specs]\nmine = fakeplugin_mod:NotSpecs\nother = nomodule:X\n"
     )
     with pytest.raises(ConfigError, match="not a LogsSpecs subclass"):
-        cfg(["--logs-specs", "mine", script])
+        load_logs_specs(cfg(["--logs-specs", "mine", script]))
+    with pytest.raises(ConfigError, match="cannot load nomodule:X .ModuleNotFoundError"):
+        load_logs_specs(cfg(["--logs-specs", "other", script]))
+    with pytest.raises(ConfigError, match="names: .*mine, other"):
+        cfg(["--logs-specs", "nope", script])
 
 
 def test_a_torchrun_rendezvous_plugin_is_refused_naming_it(

@@ -70,7 +70,9 @@ def test_real_lookups_on_this_machine() -> None:
     assert route_source("name.invalid") is None
 
 
-def _envs(settings: RunConfig | None, base: dict[str, str] | None = None) -> list[dict[str, str]]:
+def _envs(
+    settings: RunConfig | None, base: dict[str, str] | None = None, *, agent_store: bool = False
+) -> list[dict[str, str]]:
     rnd = RoundRecord(number=1, state="running", members=(Member("n", "10.1.2.3", 2),))
     return worker_envs(
         base=base or {},
@@ -84,6 +86,7 @@ def _envs(settings: RunConfig | None, base: dict[str, str] | None = None) -> lis
         restart_count=0,
         max_restarts=0,
         settings=settings,
+        agent_store=agent_store,
     )
 
 
@@ -145,7 +148,7 @@ def test_a_static_job_gives_workers_torchruns_agent_store_view(tmp_path: Path) -
     from flexrun.config import StaticJob
 
     static = StaticJob(nnodes=2, node_rank=0, master_addr="10.1.2.3", master_port=29500)
-    env = _envs(_settings(tmp_path, static=static))[1]
+    env = _envs(_settings(tmp_path, static=static), agent_store=True)[1]
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.1.2.3", "1234")  # the given master
     assert _envs(_settings(tmp_path))[0]["TORCHELASTIC_USE_AGENT_STORE"] == "False"

@@ -41,6 +41,10 @@ STOP_GRACE_S = 2.0
 too few nodes, the job failed elsewhere): peers are gone, a clean exit is unlikely."""
 CAUSE_POLL_S = 0.05
 """How often workers are polled while the policy waits for a failure's real cause."""
+FINISH_WAIT_S = 5.0
+"""How long a node still running workers when the job finished elsewhere lets them end by
+themselves before stopping them: live survivors finishing the same last step end within it;
+a round formed as the job ended (a peer's failure, a join) never trains and is stopped."""
 
 
 class _Terminated(BaseException):
@@ -214,9 +218,12 @@ class Agent:
             self._stop(STOP_GRACE_S, productive=True)
             return self._decide(policy.Halted())
         if isinstance(action, Exit):
+            if action.code == 0 and self.runner.active:
+                log.info("%s: this node's workers get %gs to end", action.reason, FINISH_WAIT_S)
+                await_own_exit(self.runner, self.clock, FINISH_WAIT_S)
             self._stop(STOP_GRACE_S, productive=True)
             if action.code == NO_PROGRESS:
-                self._crash_loop_exit()
+                _crash_loop_exit(self.events, self.config.rendezvous.crash_loop_restarts)
             if action.code != 0:
                 _report_failure(action, self.config.launcher_error_file, self.clock.wall())
             return action.code
@@ -307,16 +314,6 @@ class Agent:
                 max_restarts,
             )
 
-    def _crash_loop_exit(self) -> None:
-        k = self.config.rendezvous.crash_loop_restarts
-        line = (
-            f"crash loop: the job failed {k + 1} times in a row without completing a "
-            f"training step (--crash-loop-restarts {k}); giving up with exit code "
-            f"{NO_PROGRESS} (do not requeue: the same start will fail again)"
-        )
-        print(f"flexrun: {line}", file=sys.stderr)
-        self.events.emit("no_progress", crash_loop_restarts=k, message=line)
-
     def _stop(
         self,
         grace_s: float,
@@ -385,6 +382,28 @@ class Agent:
 _OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Caught whatever ``--signals-to-handle`` says: they stop the job in order (workers
 stopped, the rendezvous left) rather than killing the agent outright."""
+
+
+def await_own_exit(runner: Runner, clock: Clock, timeout_s: float) -> None:
+    """Poll ``runner``'s workers until all have ended or ``timeout_s`` passed."""
+    deadline = clock.monotonic() + timeout_s
+    while runner.active and clock.monotonic() < deadline:
+        event = runner.poll()
+        if isinstance(event, policy.LiveFinished):
+            return
+        if isinstance(event, policy.Exited) and event.all_done:
+            return
+        clock.sleep(CAUSE_POLL_S)
+
+
+def _crash_loop_exit(events: EventLog, k: int) -> None:
+    line = (
+        f"crash loop: the job failed {k + 1} times in a row without completing a "
+        f"training step (--crash-loop-restarts {k}); giving up with exit code "
+        f"{NO_PROGRESS} (do not requeue: the same start will fail again)"
+    )
+    print(f"flexrun: {line}", file=sys.stderr)
+    events.emit("no_progress", crash_loop_restarts=k, message=line)
 
 
 def _install_signals(listed: tuple[int, ...] = ()) -> dict[int, Any]:

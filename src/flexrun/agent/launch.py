@@ -13,8 +13,8 @@ from collections.abc import Callable
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
 from flexrun.agent.runner import Runner
-from flexrun.agent.static_store import WorkerStores
 from flexrun.agent.warm import live_pool, restart_pool
+from flexrun.agent.worker_store import RoundStores, WorkerStores, shares_agent_store
 from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
@@ -99,6 +99,8 @@ def build_agent(
     else:
         timeout = config.rendezvous.join_timeout_s
         masters: Callable[[RoundRecord], MasterRecord | None]
+        on_close: Callable[[], None] | None = None
+        agent_store: bool | None = None  # (a static job's: see RestartRunner)
         if static is not None:
             # torchrun's view: the workers meet at the given master, in a store that
             # node rank 0's agent hosts there afresh every round.
@@ -107,10 +109,25 @@ def build_agent(
                 if worker_stores is not None
                 else (WorkerStores(static).for_round)
             )
+        elif shares_agent_store(config):
+            # torchrun's default: the workers are clients of a store this (group rank 0's)
+            # agent hosts, a fresh one each round, listening before the workers start.
+            hosted = RoundStores(
+                lambda rnd, port: rdzv.master_for(rnd, timeout_s=timeout, port=port),
+                node_id=me.node_id,
+                addr=me.addr,
+            )
+            masters, on_close, agent_store = hosted.for_round, hosted.close, True
         else:
             masters = lambda rnd: rdzv.master_for(rnd, timeout_s=timeout)  # noqa: E731
         runner = RestartRunner(
-            config, node_id=me.node_id, events=events, masters=masters, pool=pool
+            config,
+            node_id=me.node_id,
+            events=events,
+            masters=masters,
+            pool=pool,
+            on_close=on_close,
+            agent_store=agent_store,
         )
     return Agent(config, rdzv, runner, events=events)
 
@@ -118,7 +135,12 @@ def build_agent(
 def launch(config: RunConfig) -> int:
     """Run this node's agent to completion and return the process exit code."""
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(config.run_dir, run_id=config.run_id, node=config.node_id)
+    events = EventLog(
+        config.run_dir,
+        run_id=config.run_id,
+        node=config.node_id,
+        echo_stderr=config.event_log_handler == "console",  # (torchrun's console handler)
+    )
     pool = restart_pool(config)
     live_spares = live_pool(config)
     if live_spares is not None:

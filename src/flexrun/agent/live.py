@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.agent.console import console_plan
+from flexrun.agent.console import AttemptOutputs
 from flexrun.agent.live_epochs import EpochPublisher
 from flexrun.agent.policy import LiveFailed, LiveFinished
 from flexrun.agent.runner import LoopProgress, RoundStart
@@ -42,6 +42,7 @@ from flexrun.proc import (
     spawn_worker,
     start_tees,
 )
+from flexrun.proc.drain import Console
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.store.api import Store
@@ -68,7 +69,7 @@ class LiveWorker:
     tees: list[Tee] = field(default_factory=list)
 
 
-def _cold(command: list[str], env: dict[str, str], wdir: Path, slot: int, c: RunConfig) -> Worker:
+def _cold(command: list[str], env: dict[str, str], wdir: Path, slot: int, con: Console) -> Worker:
     """A fresh worker for ``slot``, its output drained by the agent (a terminal stays one)."""
     return spawn_worker(
         command,
@@ -77,12 +78,12 @@ def _cold(command: list[str], env: dict[str, str], wdir: Path, slot: int, c: Run
         rank=slot,
         local_rank=slot,
         stdin=None,  # (inherited, as torchrun's)
-        console=console_plan(c, slot, slot),
+        console=con,
     )
 
 
 def _warm(
-    spare: Worker, c: RunConfig, env: dict[str, str], wdir: Path, slot: int, wid: str
+    spare: Worker, c: RunConfig, env: dict[str, str], wdir: Path, slot: int, con: Console
 ) -> Worker:
     """Warm ``spare`` assigned to ``slot``; its output drained as a fresh worker's."""
     return assign(
@@ -94,7 +95,7 @@ def _warm(
         rank=slot,
         local_rank=slot,
         log_dir=wdir,
-        console=console_plan(c, slot, slot),
+        console=con,
     )
 
 
@@ -145,6 +146,7 @@ class LiveRunner(LoopProgress):
             python=config.python_exec,
         )
         self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
+        self.outputs = AttemptOutputs(config)  # (once per start: a new worker keeps its slot's)
         self._hb_root = config.run_dir / "live-heartbeats" / node_id
         self._secret_file = (
             place_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
@@ -186,14 +188,12 @@ class LiveRunner(LoopProgress):
 
     def _start(self, rnd: RoundRecord) -> None:
         self.round = rnd
-        first_in_job = self.epochs.current() is None
-        for slot in range(self.config.nproc_per_node):
-            self._fill(
-                slot,
-                include_now=first_in_job,
-                boot_wait_s=SPARE_BOOT_WAIT_S,
-                joining=not first_in_job,
-            )
+        n, first = self.config.nproc_per_node, self.epochs.current() is None
+        ids = [f"{self.node}.w{self._seq + 1 + s}" for s in range(n)]  # (as _fill names them)
+        envs = lambda: [self._env(s, w, self._hb_root / w) for s, w in enumerate(ids)]  # noqa: E731
+        self.outputs.begin(self._log_root, envs, range(n))
+        for slot in range(n):
+            self._fill(slot, include_now=first, boot_wait_s=SPARE_BOOT_WAIT_S, joining=not first)
         if self.pool is not None:
             self.pool.trim()  # (and refilled by tend() once these workers are up)
         self.epochs.publish(rnd, self._included())
@@ -235,10 +235,10 @@ class LiveRunner(LoopProgress):
         wdir = self._log_root / wid
         spare = self.pool.take(wait_s=boot_wait_s) if self.pool is not None else None
         if spare is None:
-            w = _cold(self._command, env, wdir, slot, self.config)
+            w = _cold(self._command, env, wdir, slot, self.outputs.console(slot, slot))
             included = include_now
         else:
-            w = _warm(spare, self.config, env, wdir, slot, wid)
+            w = _warm(spare, self.config, env, wdir, slot, self.outputs.console(slot, slot))
             included = include_now or not joining
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
         lw = LiveWorker(wid, w, hb, included=included)
@@ -396,6 +396,7 @@ class LiveRunner(LoopProgress):
             for t in lw.tees:
                 t.join(timeout=2)
         self._tee_done = threading.Event()
+        self.outputs.end()  # (after the workers' drains, reaped above)
         self.slots.clear()
         self._failures, self._dead = [], []
         self.epochs.forget()

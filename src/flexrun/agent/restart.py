@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.agent.console import console_plan
+from flexrun.agent.console import AttemptOutputs
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
 from flexrun.agent.progress import HangLimits, ProgressBook
 from flexrun.agent.runner import RoundStart
@@ -57,8 +57,13 @@ class RestartRunner:
         masters: Callable[[RoundRecord], MasterRecord | None],
         pool: WarmPool | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        on_close: Callable[[], None] | None = None,
+        agent_store: bool | None = None,
     ) -> None:
         self.config = config
+        self._on_close = on_close  # (drops the workers' store this agent hosts)
+        self.agent_store = config.static is not None if agent_store is None else agent_store
+        """The workers are clients of a store an agent hosts (None: a static job's are)."""
         self.node_id = node_id
         self.events = events
         self.masters = masters
@@ -73,6 +78,8 @@ class RestartRunner:
         self.progress = ProgressBook()
         self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
         self._warm_until = 0.0
+        self.outputs = AttemptOutputs(config)
+        """The round's files and console (and ``--logs-specs``, ``--duplicate-*-filters``)."""
         self._command = build_command(
             config.entrypoint,
             config.args,
@@ -113,6 +120,7 @@ class RestartRunner:
             restart_count=rnd.restarts if c.static is not None else self.runs,
             max_restarts=c.rendezvous.max_restarts,
             settings=c,
+            agent_store=self.agent_store,
         )
         log_dir = (c.log_dir or (c.run_dir / "logs")) / f"round_{rnd.number}"
         self._cold_workers = 0
@@ -125,14 +133,19 @@ class RestartRunner:
             worker_hook.worker_env(env, str(wdir / "progress"), str(wdir / "stacks.txt"))
             paths[int(env["RANK"])] = wdir / "progress"
         self.progress.reset(paths)
-        self.group = WorkerGroup.start(
-            self._command,
-            envs,
-            log_dir,
-            console_streams=c.console_streams,
-            warm=self._warm if self.pool is not None else None,
-            console=lambda local_rank, rank: console_plan(c, local_rank, rank),
-        )
+        self.outputs.begin(log_dir, lambda: envs, [int(env["RANK"]) for env in envs])
+        try:
+            self.group = WorkerGroup.start(
+                self._command,
+                envs,
+                log_dir,
+                console_streams=c.console_streams,
+                warm=self._warm if self.pool is not None else None,
+                console=self.outputs.console,
+            )
+        except OSError:
+            self.outputs.end()
+            raise
         self.round = rnd
         self.runs += 1
         self._started_at = self.clock.monotonic()
@@ -177,7 +190,7 @@ class RestartRunner:
             rank=rank,
             local_rank=local_rank,
             log_dir=wdir,
-            console=console_plan(c, local_rank, rank),
+            console=self.outputs.console(local_rank, rank),
         )
 
     # -- monitoring --------------------------------------------------------------------------
@@ -293,8 +306,11 @@ class RestartRunner:
             group.stop(grace_s, sig, on_first_exit=on_first_exit)
         elif on_first_exit is not None:
             on_first_exit()
+        self.outputs.end()  # (after the group's drains: they feed its filtered copies)
 
     def close(self) -> None:
         self.stop(0)
+        if self._on_close is not None:
+            self._on_close()
         if self.pool is not None:
             self.pool.close()

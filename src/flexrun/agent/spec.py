@@ -32,8 +32,10 @@ def worker_envs(
     restart_count: int,
     max_restarts: int,
     settings: RunConfig | None = None,
+    agent_store: bool = False,
 ) -> list[dict[str, str]]:
-    """One environment per local rank for round ``rnd``."""
+    """One environment per local rank for round ``rnd``; ``agent_store``: the workers are
+    clients of a store their agent hosts at the master (see :mod:`flexrun.agent.worker_store`)."""
     group_rank = rnd.group_rank(node_id)
     if group_rank is None:
         raise ValueError(f"{node_id} is not in round {rnd.number}")
@@ -62,9 +64,7 @@ def worker_envs(
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
             TORCHELASTIC_RUN_ID=run_id,
-            # Elastic: rank 0 hosts this round's fresh process-group store at MASTER_PORT.
-            # Static: as torchrun, node rank 0's agent hosts it at the given master.
-            TORCHELASTIC_USE_AGENT_STORE=str(settings is not None and settings.static is not None),
+            TORCHELASTIC_USE_AGENT_STORE=str(agent_store),
             FLEXRUN_ROUND=str(rnd.number),
             FLEXRUN_RUN_DIR=str(run_dir),
             FLEXRUN_RUN_ID=run_id,

@@ -247,7 +247,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     numa_mode = a.get("numa_binding")
     logs_specs = a.get("logs_specs")
     if logs_specs:
-        plugins.logs_specs_class(logs_specs)
+        plugins.logs_specs_entry(logs_specs)
     monitor = parse_duration(a["monitor_interval"], "--monitor-interval")
     signals = parse_signals(a.get("signals_to_handle") or ",".join(DEFAULT_SIGNALS))
     return RunConfig(

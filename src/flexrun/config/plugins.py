@@ -3,8 +3,8 @@
 Owns the entry-point look-ups (``importlib.metadata``) of the two groups torchrun reads:
 ``torchrun.logs_specs`` (``--logs-specs NAME``: a ``LogsSpecs`` class deciding where each
 worker's stdout, stderr and error file go) and ``torchrun.handlers`` (a rendezvous backend
-NAME whose value builds a torch ``RendezvousHandler``). flexrun honours the first (the
-agent builds the class as torchrun does and asks it for the paths) and cannot use the
+NAME whose value builds a torch ``RendezvousHandler``). flexrun honours the first (found
+here; the agent loads and builds the class as torchrun does and asks it for the paths) and cannot use the
 second (its rendezvous runs over its own store records, not a torch handler): that one is
 named in one clear error. It also holds torchrun's event-log handler names.
 """
@@ -12,7 +12,6 @@ named in one clear error. It also holds torchrun's event-log handler names.
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any
 
 from flexrun.errors import ConfigError
 
@@ -35,33 +34,22 @@ def _dist_name(ep: metadata.EntryPoint) -> str:
     return f" from {dist.metadata['Name']}" if dist is not None else ""
 
 
-def logs_specs_class(name: str) -> Any:
-    """Load ``--logs-specs NAME`` (a ``torch.distributed.elastic.multiprocessing.LogsSpecs``
-    subclass), as torchrun does.
+def logs_specs_entry(name: str) -> metadata.EntryPoint:
+    """The installed ``--logs-specs NAME`` entry point (not loaded: its code imports torch
+    and runs the user's module; the agent loads it, :mod:`flexrun.agent.logs_specs`).
 
     Raises:
-        ConfigError: no such entry point, it cannot be imported, or it is not a LogsSpecs.
+        ConfigError: no package declares it (the message names those that exist).
     """
     ep = find(LOGS_SPECS_GROUP, name)
     if ep is None:
+        names = sorted({e.name for e in metadata.entry_points(group=LOGS_SPECS_GROUP)})
+        have = ", ".join(names) if names else "none is installed"
         raise ConfigError(
             f"--logs-specs {name!r}: no entry point {LOGS_SPECS_GROUP}:{name} is installed "
-            "(a package declares it in its entry points, as for torchrun)"
+            f"(names: {have}; a package declares it in its entry points, as for torchrun)"
         )
-    try:
-        cls = ep.load()
-    except Exception as exc:  # a third-party import may fail in any way: report it as input
-        raise ConfigError(
-            f"--logs-specs {name}: cannot load {ep.value}{_dist_name(ep)} "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-    from torch.distributed.elastic.multiprocessing import LogsSpecs
-
-    if not (isinstance(cls, type) and issubclass(cls, LogsSpecs)):
-        raise ConfigError(
-            f"--logs-specs {name}: {ep.value} is not a LogsSpecs subclass (torchrun requires one)"
-        )
-    return cls
+    return ep
 
 
 def rendezvous_handler_refusal(backend: str) -> str | None:

@@ -19,12 +19,16 @@ by ``threshold``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import logging
+import os
 import socket
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -216,6 +220,24 @@ def run_checks(
     return [NodeResult(**{k: v for k, v in g.items() if k != "flags"}) for g in gathered]
 
 
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to stdout meanwhile to stderr: stdout carries only the
+    report (torch 2.10's gloo prints "[Gloo] Rank 0 is connected to ..." lines on stdout,
+    which made ``--json`` output unparseable)."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        libc.fflush(None)  # (C stdio's buffer, which std::cout shares, before fd 1 is back)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
@@ -316,16 +338,17 @@ def run_doctor(args: argparse.Namespace) -> int:
                 raise RendezvousTimeout(f"doctor: {roster[0]} never published its address")
             time.sleep(0.05)
         m_addr, m_port = json.loads(entry.value)
-        results = run_checks(
-            roster,
-            node_id,
-            (str(m_addr), int(m_port)),
-            size_mb=args.size_mb,
-            matmul_size=args.matmul_size,
-            iters=args.iters,
-            inject_delay_s=args.inject_delay,
-            timeout_s=args.join_timeout,
-        )
+        with _native_stdout_to_stderr():
+            results = run_checks(
+                roster,
+                node_id,
+                (str(m_addr), int(m_port)),
+                size_mb=args.size_mb,
+                matmul_size=args.matmul_size,
+                iters=args.iters,
+                inject_delay_s=args.inject_delay,
+                timeout_s=args.join_timeout,
+            )
         if roster[0] == node_id:  # everyone has met and finished: the session is reusable
             store.delete(keys.roster)
             store.delete(keys.master)

@@ -6,7 +6,9 @@ worker and a ``\\r`` progress bar updates in place), never into a file: a full o
 disk under the log directory cannot make a worker's write fail or block. One thread per
 worker copies what arrives to its log file and, when that stream is shown, to the console
 (unmodified and at once from a terminal; line by line with a ``[rankN]:`` prefix from a
-pipe). A log write that fails is counted and dropped; the console says so once per agent,
+pipe) and, for a tee'd stream, each line holding one of torchrun's
+``--duplicate-std{out,err}-filters`` strings to the round's shared :class:`FilteredLog`.
+A log write that fails is counted and dropped; the console says so once per agent,
 and again when writing works again. The newest stderr bytes are kept in memory for the root
 cause, so a failure is diagnosed even when nothing could be logged.
 """
@@ -33,7 +35,8 @@ _CONSOLE_FDS = {"stdout": 1, "stderr": 2}
 
 @dataclass(frozen=True, slots=True)
 class Console:
-    """How one worker's streams reach the agent's console."""
+    """How one worker's streams reach the agent's console (and, where a torchrun LogsSpecs
+    chose them, which files they go to)."""
 
     streams: frozenset[str] = frozenset()
     """The streams shown (the others only go to the log files)."""
@@ -41,6 +44,16 @@ class Console:
     """Shown streams copied line by line after this prefix (torchrun's tee); the other
     shown streams are copied unmodified, and through a pseudo-terminal where the agent's
     own stream is a terminal."""
+    duplicates: Mapping[str, FilteredLog] = field(default_factory=dict)
+    """Where the matching lines of a prefixed stream are also appended (torchrun's
+    ``--duplicate-stdout-filters``: only its tee'd streams are filtered)."""
+    files: Mapping[str, Path] = field(default_factory=dict)
+    """A stream's log file instead of ``<worker dir>/<stream>.log``."""
+    error_file: Path | None = None
+    """The worker's ``TORCHELASTIC_ERROR_FILE`` instead of ``<worker dir>/error.json``."""
+
+    def log_path(self, name: str, wdir: Path) -> Path:
+        return self.files.get(name, wdir / f"{name}.log")
 
     def tty(self) -> frozenset[str]:
         return frozenset(s for s in self.streams - set(self.prefixes) if console_is_tty(s))
@@ -49,10 +62,11 @@ class Console:
         prefix = self.prefixes.get(name)
         return StreamCopy(
             name,
-            wdir / f"{name}.log",
+            self.log_path(name, wdir),
             _CONSOLE_FDS[name] if name in self.streams else None,
             None if prefix is None else prefix.encode(),
             keep_tail=name == "stderr",
+            duplicate=self.duplicates.get(name) if prefix is not None else None,
         )
 
 
@@ -90,6 +104,69 @@ class _DiskNotice:
 DISK_NOTICE = _DiskNotice()
 
 
+def line_matches(line: bytes, needles: tuple[bytes, ...]) -> bool:
+    """torchrun's duplicate filter: ``line`` holds any of ``needles`` (an empty needle
+    matches every line, as ``"" in line`` does in torch)."""
+    return any(n in line for n in needles)
+
+
+def filter_needles(filters: tuple[str, ...]) -> tuple[bytes, ...]:
+    """The byte strings a worker's (UTF-8) output lines are searched for."""
+    return tuple(f.encode() for f in filters)
+
+
+class FilteredLog:
+    """One file that the lines of several workers' streams holding any of ``needles`` are
+    appended to, each after its console prefix (torchrun's ``filtered_stdout.log`` /
+    ``filtered_stderr.log``: one per attempt, all local ranks together). Safe to feed from
+    every worker's drain thread. A write that fails is counted and dropped, as a log
+    line's (:data:`DISK_NOTICE`): a full disk never reaches a worker."""
+
+    def __init__(self, path: Path, needles: tuple[bytes, ...]) -> None:
+        self.path = path
+        self.needles = needles
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._closed = False
+
+    def open(self) -> None:
+        """Create the file now (torchrun creates it when the attempt starts, even if no
+        line ever matches); a disk that refuses is said once and retried at the first line."""
+        with self._lock:
+            self._write(b"", 0)
+
+    def offer(self, prefix: bytes, lines: list[bytes]) -> None:
+        """Append those of ``lines`` (without their newline) that match, each after ``prefix``."""
+        kept = [prefix + ln + b"\n" for ln in lines if line_matches(ln, self.needles)]
+        if kept:
+            with self._lock:
+                self._write(b"".join(kept), len(kept))
+
+    def _write(self, data: bytes, lines: int) -> None:
+        if self._closed:
+            return  # (a drain that outlived its round)
+        try:
+            if self._fd is None:
+                self._fd = _open_append(self.path)
+            _write_all(self._fd, data)
+        except OSError as exc:
+            DISK_NOTICE.dropped(lines, self.path, exc)
+
+    def close(self) -> None:
+        """Close the file; later lines (a drain that outlived its round) are not written."""
+        with self._lock:
+            self._closed = True
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _open_append(path: str | os.PathLike[str]) -> int:
+    """A log file opened for appending (created 0644 if missing)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -109,6 +186,8 @@ class StreamCopy:
     prefix: bytes | None
     """Console line prefix; None: bytes are copied unmodified as they come (a terminal)."""
     keep_tail: bool = False
+    duplicate: FilteredLog | None = None
+    """Where this (prefixed) stream's matching lines are also appended."""
     tail: bytearray = field(default_factory=bytearray)
     _log_fd: int | None = None
     _partial: bytes = b""
@@ -118,18 +197,27 @@ class StreamCopy:
         if self.keep_tail:
             self.tail += chunk
             del self.tail[: max(0, len(self.tail) - TAIL_BYTES)]
-        if self.console_fd is None:
-            return
         if self.prefix is None:
-            self._console(chunk)
+            if self.console_fd is not None:
+                self._console(chunk)
+            return
+        if self.console_fd is None and self.duplicate is None:
             return
         *lines, self._partial = (self._partial + chunk).split(b"\n")
-        if lines:
+        self._lines(lines)
+
+    def _lines(self, lines: list[bytes]) -> None:
+        assert self.prefix is not None
+        if not lines:
+            return
+        if self.console_fd is not None:
             self._console(b"".join(self.prefix + line + b"\n" for line in lines))
+        if self.duplicate is not None:
+            self.duplicate.offer(self.prefix, lines)
 
     def end(self) -> None:
-        if self._partial and self.console_fd is not None and self.prefix is not None:
-            self._console(self.prefix + self._partial + b"\n")
+        if self._partial and self.prefix is not None:
+            self._lines([self._partial])
         self._partial = b""
         if self._log_fd is not None:
             os.close(self._log_fd)
@@ -140,18 +228,14 @@ class StreamCopy:
         ``stdout.log`` and ``stderr.log``, empty when it wrote nothing); a disk that
         refuses is said once and retried at the first bytes."""
         try:
-            self._log_fd = os.open(
-                self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-            )
+            self._log_fd = _open_append(self.log_path)
         except OSError as exc:
             DISK_NOTICE.dropped(0, self.log_path, exc)
 
     def _log(self, chunk: bytes) -> None:
         try:
             if self._log_fd is None:
-                self._log_fd = os.open(
-                    self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-                )
+                self._log_fd = _open_append(self.log_path)
             _write_all(self._log_fd, chunk)
         except OSError as exc:
             DISK_NOTICE.dropped(max(1, chunk.count(b"\n")), self.log_path, exc)

@@ -180,10 +180,11 @@ def spawn_worker(
     # cannot write.
     with contextlib.suppress(OSError):
         wdir.mkdir(parents=True, exist_ok=True)
-    error_file = wdir / "error.json"
-    with contextlib.suppress(OSError):
-        error_file.unlink(missing_ok=True)
-    offsets = {s: file_size(wdir / f"{s}.log") for s in ("stdout", "stderr")}
+    error_file = worker_error_file(wdir, console)
+    offsets = {
+        s: file_size(console.log_path(s, wdir) if console else wdir / f"{s}.log")
+        for s in ("stdout", "stderr")
+    }
     if console is None:
         return _spawn_to_files(command, env, wdir, error_file, offsets, rank, local_rank, stdin)
     ends, drain = output_pipes(wdir, console)
@@ -199,6 +200,18 @@ def spawn_worker(
             os.close(fd)
     drain.start()
     return Worker(local_rank, rank, proc, wdir, error_file, log_offsets=offsets, output=drain)
+
+
+def worker_error_file(wdir: Path, console: Console | None) -> Path:
+    """The worker's ``TORCHELASTIC_ERROR_FILE`` (``wdir/error.json`` unless ``console``
+    names one), with what an earlier attempt left there removed (only a regular file: a
+    LogsSpecs may name ``/dev/null``)."""
+    error_file = console.error_file if console is not None and console.error_file else None
+    error_file = error_file or wdir / "error.json"
+    with contextlib.suppress(OSError):
+        if error_file.is_file():
+            error_file.unlink()
+    return error_file
 
 
 def _spawn_to_files(

@@ -19,6 +19,7 @@ from flexrun.exitcodes import NO_PROGRESS
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
+    FINISHED_EARLIER,
     PENDING,
     RUNNING,
     Member,
@@ -257,13 +258,23 @@ def departed(members: Sequence[str], alive: Collection[str], view: View) -> Depa
 
 def job_ended(view: View) -> Action | None:
     """What to do once the job failed or finished (its round FAILED or CLOSED), else None."""
-    r = view.round
+    return round_ended(view.round, view.running)
+
+
+def round_ended(r: RoundRecord | None, running: int | None) -> Action | None:
+    """What a node running ``running`` does once round ``r`` FAILED or CLOSED, else None.
+
+    A node whose workers run the round that finished waits for them (they completed the
+    same training and end by themselves). A round closed by a node that finished an
+    earlier one (:data:`FINISHED_EARLIER`) will never train: its workers are stopped."""
     if r is not None and r.state == FAILED:
         return Exit(r.exit_code or 1, f"job failed: {r.reason}", r.root_cause)
     if r is not None and r.state == CLOSED:
-        if view.running == r.number:
-            return Wait("job finishing: waiting for local workers")
-        return Exit(0, "job finished")
+        if running != r.number:
+            return Exit(0, "job finished")
+        if r.reason == FINISHED_EARLIER:
+            return Exit(0, f"job finished by a node of an earlier round than {r.number}")
+        return Wait("job finishing: waiting for local workers")
     return None
 
 

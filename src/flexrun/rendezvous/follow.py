@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexrun.rendezvous.decide import Action, Exit, Run, Stop, Wait
-from flexrun.rendezvous.state import CLOSED, FAILED, PENDING, RUNNING, Claim, RoundRecord
+from flexrun.rendezvous.decide import Action, Run, Stop, Wait, round_ended
+from flexrun.rendezvous.state import PENDING, RUNNING, Claim, RoundRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +35,9 @@ class FollowView:
 def follow(view: FollowView) -> Action:
     """The next thing a follower should do."""
     r = view.round
-    if r is not None and r.state == FAILED:
-        return Exit(r.exit_code or 1, f"job failed: {r.reason}", r.root_cause)
-    if r is not None and r.state == CLOSED:
-        if view.running == r.number:
-            return Wait("job finishing: waiting for local workers")
-        return Exit(0, "job finished")
+    ended = round_ended(r, view.running)
+    if ended is not None:
+        return ended
     if r is None:
         if view.running is not None:
             # The store lost the round (it restarted): workers keep training; the round

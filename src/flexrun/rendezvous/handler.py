@@ -35,6 +35,7 @@ from flexrun.rendezvous.records import get_at
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
+    FINISHED_EARLIER,
     PENDING,
     RUNNING,
     Keys,
@@ -217,11 +218,12 @@ class RendezvousHandler:
         if quiet and not self.watching and not self._claims.due(now) and self._follower.settled(self._claims):
             return self._checked(self._follower.again(running), running, now)
         entry, self._since_rev = get_at(self.store, self.keys.round)
+        read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
         hdr, rev = self._header_of(entry)
         now = self.clock.monotonic()
         self._claims.update(hdr, rev, now)
         if self.watching:
-            action = self._watcher.step(running, hdr, rev)
+            action = self._watcher.step(running, hdr, rev, read=read)
         else:
             action = self._follower.step(running, hdr, now)
         self._changes.arm(self.watched_prefix(), self._since_rev)
@@ -263,11 +265,12 @@ class RendezvousHandler:
         return changed
 
     # -- per-round master address ----------------------------------------------------------
-    def master_for(self, rnd: RoundRecord, timeout_s: float) -> MasterRecord | None:
-        """Rank 0's node publishes a fresh address; others wait for it (None: round moved on)."""
+    def master_for(self, rnd: RoundRecord, timeout_s: float, port: int = 0) -> MasterRecord | None:
+        """Rank 0's node publishes ``port`` (its agent's store) or a free one; others wait
+        for it (None: the round moved on)."""
         key = self.keys.master(rnd.number)
         if rnd.group_rank(self.me.node_id) == 0:
-            rec = MasterRecord(self.me.addr, free_port(self.me.addr))
+            rec = MasterRecord(self.me.addr, port or free_port(self.me.addr))
             ok, _ = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
             if not ok:
                 entry = self.store.get(key)
@@ -344,14 +347,15 @@ class RendezvousHandler:
         return self._rewrite(make) or self._round_lost()
 
     def close(self, running_round: int) -> None:
-        """Mark the job finished (no new rounds); idempotent."""
+        """Mark the job finished (no new rounds); idempotent. ``running_round``: the round
+        whose workers completed here; when a later round was formed meanwhile, its members
+        stop their workers instead of waiting for them (see ``decide.round_ended``)."""
 
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.state in (CLOSED, FAILED):
                 return None
-            return dataclasses.replace(
-                r, state=CLOSED, reason="finished", exit_code=0, root_cause=None
-            )
+            reason = "finished" if r.number == running_round else FINISHED_EARLIER
+            return dataclasses.replace(r, state=CLOSED, reason=reason, exit_code=0, root_cause=None)
 
         self._rewrite(make)
 

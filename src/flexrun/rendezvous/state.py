@@ -46,6 +46,9 @@ RUNNING = "running"
 PENDING = "pending"  # too few nodes: no workers run until MIN nodes are back
 CLOSED = "closed"  # the job finished: no new rounds
 FAILED = "failed"  # restarts exhausted: every agent exits with exit_code
+FINISHED_EARLIER = "finished_earlier"
+"""A CLOSED round's reason when the node that finished ran an earlier round: the round was
+formed (a peer's failure, a join) as the job ended, and its workers will never train."""
 
 
 def _load(raw: bytes, what: str, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[str, Any]:

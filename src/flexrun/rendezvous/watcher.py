@@ -54,6 +54,9 @@ class Watcher:
         # Keep-alives seen: node -> (first revision seen, seen renewed since). Only where
         # readers judge TTLs themselves (tcp): see View.unconfirmed.
         self.beats_seen: dict[str, tuple[int, bool]] = {}
+        # (store revision, monotonic time) read just before this watcher's previous step:
+        # a keep-alive first seen with a higher revision was written since (fresh).
+        self.last_read: tuple[int, float] | None = None
 
     # -- reading ----------------------------------------------------------------------------
     def members(self, hdr: RoundRecord) -> RoundRecord | None:
@@ -87,12 +90,18 @@ class Watcher:
             del self.lists[next(iter(self.lists))]
 
     def _alive(
-        self, nodes: dict[str, Entry], beats: dict[str, Entry]
+        self, nodes: dict[str, Entry], beats: dict[str, Entry], fresh_above: int | None
     ) -> dict[str, tuple[NodeRecord, int]]:
         """Nodes with a fresh keep-alive -> (record, revision at which they joined). The
         keep-alive carries the record, so a node whose record a restarted store lost is
         still seen; an agent that reads is alive whatever its own keep-alive looks like (a
-        starved keep-alive thread must not make it drop itself)."""
+        starved keep-alive thread must not make it drop itself).
+
+        A keep-alive counts as renewed (:attr:`View.unconfirmed`) once seen with two
+        revisions, or at first sight if its revision is above ``fresh_above``: written
+        after this watcher's previous read, so not a dead node's old one. A newcomer is
+        then taken in at the watcher's first step that sees it, not a keep-alive interval
+        later."""
         h, keys = self.h, self.h.keys
         alive: dict[str, tuple[NodeRecord, int]] = {}
         for key, beat in beats.items():
@@ -112,18 +121,30 @@ class Watcher:
             for node_id in alive:
                 found = beats.get(keys.heartbeat(node_id))
                 rev = found.revision if found is not None else 0
-                first, renewed = self.beats_seen.get(node_id, (rev, node_id == h.me.node_id))
+                new = node_id == h.me.node_id or (fresh_above is not None and rev > fresh_above)
+                first, renewed = self.beats_seen.get(node_id, (rev, new))
                 seen[node_id] = (first, renewed or rev != first)
             self.beats_seen = seen  # a node that vanishes is unconfirmed when it returns
         return alive
 
     # -- one step -----------------------------------------------------------------------------
-    def step(self, running: int | None, hdr: RoundRecord | None, hdr_rev: int) -> Action:
+    def step(
+        self,
+        running: int | None,
+        hdr: RoundRecord | None,
+        hdr_rev: int,
+        *,
+        read: tuple[int, float] | None = None,
+    ) -> Action:
+        """One watcher step; ``read``: the store revision and the time read before this
+        step's reads (what a later step judges a newcomer's first keep-alive by)."""
         h, keys = self.h, self.h.keys
         nodes = h.store.get_prefix(keys.nodes)
         beats = h.store.get_prefix(keys.heartbeats)
         asks = h.store.get_prefix(keys.asks)
         now = h.clock.monotonic()
+        fresh_above = fresh_since(self.last_read, now, h.settings.heartbeat_timeout_s)
+        self.last_read = read
         if keys.node(h.me.node_id) not in nodes and not h.stopped:
             h.reregister(now)  # the store lost our record (it restarted)
         if hdr is None and h.floor > 0:
@@ -135,7 +156,7 @@ class Watcher:
         unreadable = hdr is not None and cur is None
         if cur is None and hdr is not None:
             cur = dataclasses.replace(hdr, members=())
-        alive = self._alive(nodes, beats)
+        alive = self._alive(nodes, beats, fresh_above)
         registered = frozenset(k[len(keys.nodes) :] for k in nodes)
         if frozenset(alive) != self.alive_set:
             self.alive_set = frozenset(alive)
@@ -251,3 +272,14 @@ class Watcher:
 
 
 __all__ = ["Watcher"]
+
+
+def fresh_since(last_read: tuple[int, float] | None, now: float, timeout_s: float) -> int | None:
+    """The revision above which a keep-alive seen for the first time is known fresh: the
+    one read before the watcher's previous step, if that was under ``timeout_s`` ago (a
+    write with a higher revision came after it). None: no such read (this node's first
+    step as the watcher, or a long gap), and first sight proves nothing."""
+    if last_read is None:
+        return None
+    rev, at = last_read
+    return rev if now - at < timeout_s else None

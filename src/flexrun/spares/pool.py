@@ -27,7 +27,7 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import SparesError, SparesUntrusted
 from flexrun.proc import Worker, reap, spawn_worker
 from flexrun.proc.drain import Console, output_paths
-from flexrun.proc.spawn import file_size
+from flexrun.proc.spawn import file_size, worker_error_file
 from flexrun.spares.adopted import AdoptedProcess
 from flexrun.spares.client import Adopted, take_spares
 from flexrun.spares.forkserver import BOOTING, GONE, READY, ForkServer, plan_refill
@@ -234,10 +234,9 @@ def assign(
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         w.log_dir = log_dir
-        w.error_file = log_dir / "error.json"
-        w.error_file.unlink(missing_ok=True)
+        w.error_file = worker_error_file(log_dir, console)
         for stream in ("stdout", "stderr"):
-            path = log_dir / f"{stream}.log"
+            path = console.log_path(stream, log_dir) if console else log_dir / f"{stream}.log"
             w.log_offsets[stream] = file_size(path)
             if console is None:
                 path.touch()  # the agent's tees open it at once; the spare appends

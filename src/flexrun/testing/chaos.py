@@ -185,6 +185,10 @@ def run_chaos(spec: JobSpec, faults: list[Fault], *, timeout_s: float) -> inv.Ch
         st["ettr_span"] = round(st["productive_s"] / (last - first), 4) if last > first else 0.0
     st["ettr_cycle"] = round(st["productive_cycle_s"] / wall, 4) if wall > 0 else 0.0
     done = [r["ts"] for r in records if r.get("outcome") == "done" and "at_s" in r]
-    st["stall_s"] = inv.stalls_after(inv.read_step_logs(spec.root / "steps"), done)
+    # The last fault's window ends no later than the longest gap between two faults.
+    gaps = [b - a for a, b in zip(sorted(done), sorted(done)[1:], strict=False)]
+    st["stall_s"] = inv.stalls_after(
+        inv.read_step_logs(spec.root / "steps"), done, horizon_s=max(gaps) if gaps else None
+    )
     (spec.root / "check.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result

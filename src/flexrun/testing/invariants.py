@@ -220,18 +220,24 @@ def attempt_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def stalls_after(records: list[dict[str, Any]], times: Iterable[float]) -> list[float]:
+def stalls_after(
+    records: list[dict[str, Any]], times: Iterable[float], *, horizon_s: float | None = None
+) -> list[float]:
     """For each time ``t`` (a fault), the longest pause in committed progress from the last
-    step committed by ``t`` until the next time in ``times`` (or the end): detection,
-    restart and recomputation together. A step counts as committed at its committed
-    attempt's end (the latest ``ts`` over ranks), so a step done before ``t`` but redone
-    after it is not progress before ``t``; a step already in flight at ``t`` that still
-    commits does not hide the pause after it."""
+    step committed by ``t`` until the next time in ``times`` (or the end), and at most
+    ``horizon_s`` after ``t`` when given (so the last fault's window is not the rest of the
+    run: a checkpoint stall a minute later is not that fault's): detection, restart and
+    recomputation together. A step counts as committed at its committed attempt's end (the
+    latest ``ts`` over ranks), so a step done before ``t`` but redone after it is not
+    progress before ``t``; a step already in flight at ``t`` that still commits does not
+    hide the pause after it."""
     ends = sorted(max(r["ts"] for r in lines) for lines in committed_attempts(records).values())
     ts = sorted(times)
     out = []
     for i, t in enumerate(ts):
         stop = ts[i + 1] if i + 1 < len(ts) else float("inf")
+        if horizon_s is not None:
+            stop = min(stop, t + horizon_s)
         before = [e for e in ends if e <= t]
         points = ([before[-1]] if before else []) + [e for e in ends if t < e <= stop]
         gaps = [b - a for a, b in zip(points, points[1:], strict=False)]

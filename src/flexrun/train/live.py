@@ -71,6 +71,7 @@ from flexrun.train.live_durable import LiveDurability
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
 from flexrun.train.live_sync import broadcast_state, state_checksum
+from flexrun.train.stopsignal import hold as hold_stop_signal
 
 log = logging.getLogger("flexrun.train.live")
 
@@ -184,7 +185,9 @@ class LiveLoop:
         self._touch()  # the agent admits this worker into an epoch once this file exists
         self._hb.start()
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            # (an uncaught exception ends the loop: the SIGTERM then ends the process)
+            hold_stop_signal(signal.SIGTERM, self._on_sigterm, previous, lambda: self._preempted)
 
     # -- views of the group (also used by flexrun.train.metrics) ----------------------------
     @property

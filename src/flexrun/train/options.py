@@ -15,6 +15,8 @@ from flexrun.errors import CheckpointError
 
 DEFAULT_PERSIST_CPU_SHARE = 0.1
 """Default share of one core a background persist may use (see ``persist_cpu_share``)."""
+DEFAULT_PERSIST_FREE_CPU_S = 0.05
+"""Default CPU seconds of a background persist taken unpaced (see ``persist_free_cpu_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +48,14 @@ class CheckpointOptions:
     2-core machine whose cores training kept busy (bench/results/checkpoint.txt); a
     persist then takes roughly ten times its CPU time. ``wait()``, ``close()``, ``load()``
     and the next ``save()`` end the pacing. ``None`` (or 1.0): unpaced."""
+
+    persist_free_cpu_s: float = DEFAULT_PERSIST_FREE_CPU_S
+    """CPU seconds at the start of each background persist that ``persist_cpu_share``
+    does not pace. A persist that costs less (a small model: tens of KB to a few MB)
+    commits in about its own CPU time instead of ten times it; a failure between the save
+    and the commit recomputes every step since the checkpoint before, so the commit's
+    delay is work lost to each failure in that window. Larger persists are paced after
+    this allowance, as before. 0: pace from the first byte."""
 
     persist_max_bytes_s: float | None = None
     """Also cap the background persist's average write rate (bytes/s; None: no cap)."""
@@ -85,6 +95,9 @@ class CheckpointOptions:
         share = self.persist_cpu_share
         if share is not None and not (math.isfinite(share) and 0 < share <= 1):
             raise CheckpointError("persist_cpu_share must be in (0, 1] or None")
+        free = self.persist_free_cpu_s
+        if not (math.isfinite(free) and free >= 0):
+            raise CheckpointError(f"persist_free_cpu_s must be >= 0, got {free}")
         rate = self.persist_max_bytes_s
         if rate is not None and not (math.isfinite(rate) and rate > 0):
             raise CheckpointError("persist_max_bytes_s must be > 0 or None")

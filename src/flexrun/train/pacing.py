@@ -11,6 +11,7 @@ upload never holds a second copy of a whole tensor). It does not know where byte
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -94,19 +95,26 @@ class CpuPacer:
         clock: Clock,
         *,
         cpu_time: Callable[[], float] = time.thread_time,
+        free_s: float = 0.0,
     ) -> None:
         """
         Args:
             share: CPU share of one core, ``0 < share <= 1`` (1: never rests).
             clock: what the rests sleep on.
             cpu_time: the calling thread's CPU seconds (injected by tests).
+            free_s: CPU seconds after :meth:`start` that earn no rest (a persist that
+                costs less is not paced at all).
 
         Raises:
-            CheckpointError: ``share`` out of range.
+            CheckpointError: ``share`` or ``free_s`` out of range.
         """
         if not 0 < share <= 1:
             raise CheckpointError(f"persist CPU share must be in (0, 1], got {share}")
+        if not (math.isfinite(free_s) and free_s >= 0):
+            raise CheckpointError(f"unpaced persist CPU must be >= 0 s, got {free_s}")
         self._factor = 1.0 / share - 1.0
+        self._free_left = free_s
+        self._free_s = free_s
         self._clock = clock
         self._cpu_time = cpu_time
         self._hurry = threading.Event()
@@ -116,12 +124,16 @@ class CpuPacer:
 
     def start(self) -> None:
         self._mark = self._cpu_time()
+        self._free_left = self._free_s
 
     def pace(self) -> None:
-        """Rest in proportion to the CPU time used since :meth:`start` or the last call."""
+        """Rest in proportion to the CPU time used since :meth:`start` or the last call
+        (beyond the first ``free_s`` after :meth:`start`)."""
         now = self._cpu_time()
         spent = now - (now if self._mark is None else self._mark)
-        rest = min(spent * self._factor, self._MAX_REST_S)
+        free = min(spent, self._free_left)
+        self._free_left -= free
+        rest = min((spent - free) * self._factor, self._MAX_REST_S)
         end = self._clock.monotonic() + rest
         for _ in range(int(rest / self._SLICE_S) + 2):  # bounded; a slice each
             left = end - self._clock.monotonic()

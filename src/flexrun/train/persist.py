@@ -104,7 +104,11 @@ class Persister:
         if pending:
             self._copied.clear()
         share = self.options.persist_cpu_share
-        self._pacer = CpuPacer(share, self._clock) if share is not None and share < 1 else None
+        self._pacer = (
+            CpuPacer(share, self._clock, free_s=self.options.persist_free_cpu_s)
+            if share is not None and share < 1
+            else None
+        )
         self._thread = threading.Thread(
             target=self._persist_bg, args=(step, payload, pending), name=f"flexrun-ckpt-{step}"
         )

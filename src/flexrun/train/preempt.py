@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flexrun.events import EventLog
+from flexrun.train import stopsignal
 from flexrun.train.context import TrainContext, current, single_process_context
 from flexrun.train.progress import install_stack_dump
 
@@ -53,10 +54,16 @@ class PreemptionGuard:
         self._previous: dict[int, Any] = {}
         for sig in signals:
             self._previous[int(sig)] = signal.signal(sig, self._handle)
+            # A script that dies of an exception (a peer's death seen in a collective) can
+            # no longer stop at a step boundary: the signal then ends it at once.
+            stopsignal.hold(sig, self._handle, self._previous[int(sig)], self._unhonoured)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._signum = signum
         self._flag.set()
+
+    def _unhonoured(self) -> bool:
+        return self._signum is not None
 
     @property
     def requested(self) -> bool:
@@ -104,6 +111,7 @@ class PreemptionGuard:
 
     def uninstall(self) -> None:
         """Restore the signal handlers that were there before."""
+        stopsignal.release(self._handle)
         for sig, handler in self._previous.items():
             if handler is not None:
                 signal.signal(sig, handler)

@@ -121,10 +121,22 @@ class _SafeReader(_SafeMetadata, FileSystemReader):
     pass
 
 
-def _fsspec_reader(url: str, options: Mapping[str, Any]) -> Any:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+def _fsspec_module() -> Any:
+    """torch's fsspec storage for DCP: public from torch 2.15, private before (2.15
+    deprecates the private name)."""
+    try:
+        import torch.distributed.checkpoint.fsspec_filesystem as public  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        import torch.distributed.checkpoint._fsspec_filesystem as private
 
-    class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+        return private
+    return public
+
+
+def _fsspec_reader(url: str, options: Mapping[str, Any]) -> Any:
+    reader: Any = _fsspec_module().FsspecReader
+
+    class _SafeFsspecReader(_SafeMetadata, reader):
         pass
 
     return _SafeFsspecReader(url, **dict(options))
@@ -268,8 +280,7 @@ class ShardedCheckpointer(RankZero):
         if isinstance(self._proto, RenameCommit):
             writer: Any = FileSystemWriter(staged.path, sync_files=True)
         else:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
+            FsspecWriter = _fsspec_module().FsspecWriter  # noqa: N806
             url = self._proto.store.url(staged.path)  # type: ignore[attr-defined]
             # The object is durable once its upload completes; there is no fsync.
             writer = FsspecWriter(url, sync_files=False, **self._storage_options)

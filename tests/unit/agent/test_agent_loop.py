@@ -323,3 +323,37 @@ def test_workers_that_cannot_start_are_one_clear_agent_error(tmp_path) -> None:
     with pytest.raises(AgentError, match="could not start the workers of round 1"):
         agent.run()
     assert rdzv.left and runner.closed
+
+
+@pytest.mark.timeout(10)
+def test_workers_still_running_when_the_job_finished_elsewhere_get_a_bounded_wait(
+    tmp_path,
+) -> None:
+    """A round formed as the job ended never trains (its peers are gone): its workers get
+    FINISH_WAIT_S to end by themselves, then they are stopped and the agent exits 0,
+    instead of waiting for them (torch's own store timeout: 300 s)."""
+    from flexrun.agent.agent import FINISH_WAIT_S, STOP_GRACE_S
+
+    rdzv = FakeRendezvous([Run(rnd(2, "n1", "n2")), Exit(0, "job finished by an earlier round")])
+    runner = FakeRunner([])  # the new worker never ends by itself
+    agent, clock = make(tmp_path, rdzv, runner)
+    t0 = clock.monotonic()
+    assert agent.run() == 0
+    waited = clock.monotonic() - t0
+    assert FINISH_WAIT_S <= waited < FINISH_WAIT_S + 1.0
+    assert runner.stops == [STOP_GRACE_S]
+
+
+@pytest.mark.timeout(10)
+def test_workers_finishing_the_same_training_as_the_job_are_not_cut_short(tmp_path) -> None:
+    """A live survivor whose peer closed the job a step earlier: its workers end within
+    the wait, and the agent exits as soon as they have."""
+    from flexrun.agent.agent import FINISH_WAIT_S
+
+    rdzv = FakeRendezvous([Run(rnd(2, "n1", "n2")), Exit(0, "job finished by an earlier round")])
+    runner = FakeRunner([None, None, finished()])
+    agent, clock = make(tmp_path, rdzv, runner)
+    t0 = clock.monotonic()
+    assert agent.run() == 0
+    assert clock.monotonic() - t0 < FINISH_WAIT_S / 2
+    assert not runner.events  # it polled them to their end

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from flexrun.agent.console import console_plan
+from pathlib import Path
+
+from flexrun.agent.console import close_filtered, console_plan, filtered_logs
 from flexrun.config import RunConfig
 from flexrun.config.settings import StdStreams
 
@@ -35,3 +37,23 @@ def test_redirected_streams_and_filtered_ranks_stay_off_the_console() -> None:
     filt = _config(local_ranks_filter=frozenset({1}), tee=StdStreams(default=BOTH))
     assert console_plan(filt, 0, 0).streams == frozenset()
     assert console_plan(filt, 1, 1).streams == BOTH
+
+
+def test_duplicate_filters_make_the_attempts_files_and_reach_only_teed_streams(
+    tmp_path: Path,
+) -> None:
+    c = _config(
+        duplicate_stdout_filters=("apple",),
+        tee=StdStreams(by_rank={0: frozenset({"stdout"})}),
+        local_ranks_filter=frozenset({0}),
+    )
+    logs = filtered_logs(c, tmp_path / "round_1")
+    try:
+        assert set(logs) == {"stdout"}  # (no stderr filters: no filtered_stderr.log)
+        assert (tmp_path / "round_1" / "filtered_stdout.log").exists()
+        assert console_plan(c, 0, 0, logs).duplicates == {"stdout": logs["stdout"]}
+        assert console_plan(c, 1, 1, logs).duplicates == {}  # not tee'd, and filtered out
+    finally:
+        close_filtered(logs)
+    assert filtered_logs(_config(), tmp_path / "none") == {}
+    assert not (tmp_path / "none").exists()

@@ -10,7 +10,7 @@ import pytest
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.events import EventLog
-from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run, Stop, Wait
+from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop, Wait
 from flexrun.rendezvous.state import Keys, RoundRecord, read_round
 from flexrun.store.api import Store
 from flexrun.store.memory import MemoryStore
@@ -507,6 +507,25 @@ def test_close_and_count_failure_rewrite_the_header_only() -> None:
     assert c.step(None).reason == "job finished"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("finisher", ["a", "b"])
+def test_a_round_formed_as_the_job_finished_elsewhere_is_not_waited_for(finisher: str) -> None:
+    """Chaos finding (seed 14): n2's rank was killed just as n5's completed the job; n2's
+    report formed round 12 with both nodes, n5 then closed the job, and n2 waited 300 s on
+    its new worker ("1/2 clients joined") because a closed round's members wait for their
+    own workers. Only the members of the round that finished wait; a later round's stop."""
+    clock, store, a, b = _two(min_nodes=2, max_nodes=2, max_restarts=3)
+    a.step(None)
+    assert isinstance(b.step(None), Run) and isinstance(_settle(a, None), Run)
+    nodes = {"a": a, "b": b}
+    other = nodes["b" if finisher == "a" else "a"]
+    rec = other.report_failure(1, FailureCause(rank=0, exit_code=-9))
+    assert rec.number == 2 and rec.member_ids == ["a", "b"]
+    nodes[finisher].close(1)  # its workers of round 1 completed the training
+    act = other.step(2)
+    assert isinstance(act, Exit) and act.code == 0, act
+    assert nodes[finisher].step(None).code == 0  # type: ignore[union-attr]
+
+
 TCP_S = RendezvousSettings(
     min_nodes=1, max_nodes=3, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3
 )
@@ -733,6 +752,56 @@ def test_a_new_round_costs_a_follower_the_header_and_its_slice_but_a_touch_reads
     spy.keys.clear()
     b.step(2)
     assert "claim" in _reads_of(spy.keys, b.keys) and b.watching
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomer_is_taken_in_at_the_watchers_first_step_that_sees_it() -> None:
+    """Issue 15 (scale-up ~1 s slower after the one-watcher rewrite): the watcher took a
+    newcomer in only once its keep-alive was seen renewed, a keep-alive interval after it
+    joined. A keep-alive whose revision is above the store revision read before the
+    watcher's previous step was written since then: fresh, no renewal needed."""
+    clock = FakeClock()
+    server = TcpStoreServer("127.0.0.1", 0)
+    hs: list[RendezvousHandler] = []
+    try:
+        n1 = _join(server.port, "n1", clock)
+        hs.append(n1)
+        r1 = _settle(n1, None).round
+        assert r1.member_ids == ["n1"] and n1.watching
+        clock.advance(0.1)
+        assert isinstance(n1.step(r1.number), Wait)  # a step with nothing new
+        n2 = _join(server.port, "n2", clock)  # one keep-alive and its record, no renewal
+        hs.append(n2)
+        clock.advance(0.1)
+        assert n1.step(r1.number) == Wait("proposed a new round")
+        r2 = _settle(n2, None).round
+        assert r2.member_ids == ["n1", "n2"] and r2.reason == "scale_up"
+        # After a gap of a heartbeat timeout without a step, first sight proves nothing:
+        # a newcomer waits for its keep-alive to be renewed, as before.
+        assert isinstance(_settle(n1, None), Run)
+        clock.advance(TCP_S.heartbeat_timeout_s)
+        _beat(n1, n2)
+        n3 = _join(server.port, "n3", clock)
+        hs.append(n3)
+        n1.step(r2.number)
+        n2.step(r2.number)
+        assert _round(n1.store).member_ids == ["n1", "n2"]
+        clock.advance(0.5)
+        _beat(n1, n2, n3)
+        assert n1.step(r2.number) == Wait("proposed a new round")
+        assert _settle(n3, None).round.member_ids == ["n1", "n2", "n3"]
+    finally:
+        for h in hs:
+            h.store.close()
+        server.close()
+
+
+def test_a_first_sighting_is_fresh_only_after_a_recent_read() -> None:
+    from flexrun.rendezvous.watcher import fresh_since
+
+    assert fresh_since(None, 10.0, 5.0) is None  # the watcher's first step
+    assert fresh_since((7, 9.0), 10.0, 5.0) == 7
+    assert fresh_since((7, 4.0), 10.0, 5.0) is None  # too long ago to bound its age
 
 
 def test_a_member_list_remembered_from_before_a_store_restart_is_written_again() -> None:

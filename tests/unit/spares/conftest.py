@@ -1,3 +1,3 @@
 """Fixtures for the warm-interpreter unit tests (helpers live in ``spares_support.py``)."""
 
-from spares_support import served  # noqa: F401
+from spares_support import pools, served  # noqa: F401

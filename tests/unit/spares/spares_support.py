@@ -16,6 +16,7 @@ from support import wait_for
 
 from flexrun.spares.client import query_status
 from flexrun.spares.daemon import SparesDaemon
+from flexrun.spares.pool import WarmPool
 from flexrun.testing import FakeClock
 
 FAKE_SPARE = [
@@ -95,3 +96,12 @@ def served(tmp_path: Path) -> Iterator[Served]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture
+def pools() -> Iterator[list[WarmPool]]:
+    """Warm pools a test makes, closed after it."""
+    made: list[WarmPool] = []
+    yield made
+    for p in made:
+        p.close()

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,6 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-@pytest.fixture
-def pools() -> Iterator[list[WarmPool]]:
-    made: list[WarmPool] = []
-    yield made
-    for p in made:
-        p.close()
 
 
 def _pool(pools: list[WarmPool], tmp: Path, size: int, **kw: object) -> WarmPool:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,6 @@ with open(sys.argv[1], "w") as fh:
 print("hello from the worker")
 sys.exit(int(sys.argv[2]))
 """
-
-
-@pytest.fixture
-def pools() -> Iterator[list[WarmPool]]:
-    made: list[WarmPool] = []
-    yield made
-    for p in made:
-        p.close()
 
 
 def _pool(pools: list[WarmPool], tmp: Path, size: int, **kw: object) -> WarmPool:

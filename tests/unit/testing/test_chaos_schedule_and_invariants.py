@@ -122,6 +122,15 @@ def test_the_stall_after_a_fault_spans_the_redone_steps_and_ignores_the_step_in_
     # pause runs from step 1's end (1.0) to step 2's redo (5.0). At 6.5, step 4 (in flight,
     # committed at 7.0) ends the pause quickly; after 8.0 nothing commits.
     assert inv.stalls_after(_clean_run(), [6.5, 2.5, 8.0]) == [4.0, 1.0]
+
+
+def test_the_last_faults_stall_window_ends_at_the_horizon() -> None:
+    # A fault at 5.5, then a pause (a slow checkpoint, say) from 7.0 to 20.0 long after it:
+    # unbounded, the last fault's window is the rest of the run and takes that pause; with a
+    # 2 s horizon it sees only its own gaps (steps 3 and 4, a second apart).
+    run = [*_clean_run(), _line(5, 1, 0, 1, [0, 1, 2, 3], 20.0)]
+    assert inv.stalls_after(run, [5.5]) == [13.0]
+    assert inv.stalls_after(run, [5.5], horizon_s=2.0) == [1.0]
     stats = inv.attempt_stats(_clean_run())
     assert (stats["first_step_t0"], stats["last_step_ts"]) == (0.9, 7.0)
     # Step 1 (0.9-1.0), step 2's redo opens round 1 (4.9-5.0), steps 3 and 4 follow it.

@@ -18,6 +18,7 @@ from flexrun.testing import FakeClock
 from flexrun.train import Checkpointer
 from flexrun.train.checkpoint import DEFAULT_PERSIST_CPU_SHARE, save_without_zip_crc
 from flexrun.train.context import single_process_context
+from flexrun.train.options import DEFAULT_PERSIST_FREE_CPU_S
 from flexrun.train.storage import CpuPacer, PacedWriter
 
 
@@ -106,6 +107,28 @@ def test_hurry_ends_a_rest_in_progress_within_a_slice() -> None:
     assert 0 < hc.monotonic() - t0 <= CpuPacer._SLICE_S
 
 
+def test_the_first_free_cpu_seconds_of_a_persist_earn_no_rest() -> None:
+    clock, cpu = FakeClock(), FakeCpu()
+    pacer = CpuPacer(0.1, clock, cpu_time=cpu, free_s=0.05)
+    for _ in range(2):  # each start() opens a new allowance
+        pacer.start()
+        t0 = clock.monotonic()
+        cpu.now += 0.03
+        pacer.pace()
+        assert clock.monotonic() == t0  # 0.03 of the 0.05 s allowance
+        cpu.now += 0.03
+        pacer.pace()  # 0.02 free, 0.01 paced
+        assert clock.monotonic() - t0 == pytest.approx(0.09)
+        cpu.now += 0.01
+        pacer.pace()
+        assert clock.monotonic() - t0 == pytest.approx(0.18)
+
+
+def test_pacer_rejects_a_negative_allowance() -> None:
+    with pytest.raises(CheckpointError):
+        CpuPacer(0.1, FakeClock(), free_s=-1.0)
+
+
 @pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
 def test_pacer_rejects_a_share_outside_zero_to_one(share: float) -> None:
     with pytest.raises(CheckpointError):
@@ -130,9 +153,11 @@ def test_paced_writer_passes_bytes_through_in_pieces_and_paces_after_each() -> N
     assert pacer.rested_s == pytest.approx(0.003)
 
 
-class _Big:
-    def __init__(self) -> None:
-        self.t = torch.arange(3_000_000, dtype=torch.float32)
+class _Tensor:
+    """One float32 tensor of ``n`` elements: 3M (12 MB) outlasts the unpaced allowance."""
+
+    def __init__(self, n: int = 3_000_000) -> None:
+        self.t = torch.arange(n, dtype=torch.float32)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"t": self.t}
@@ -141,11 +166,10 @@ class _Big:
         self.t = state["t"]
 
 
-def _save_once(tmp_path: Path, clock: FakeClock, **kw: Any) -> Checkpointer:
-    c = Checkpointer(
-        str(tmp_path / "ck"), ctx=single_process_context(), clock=clock, save_rng=False, **kw
-    )
-    c.register("big", _Big())
+def _save_once(tmp_path: Path, clock: FakeClock, n: int = 3_000_000, **kw: Any) -> Checkpointer:
+    kw.setdefault("save_rng", False)
+    c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), clock=clock, **kw)
+    c.register("big", _Tensor(n))
     c.save(1)
     thread = c._p._thread
     assert thread is not None
@@ -157,15 +181,33 @@ def _save_once(tmp_path: Path, clock: FakeClock, **kw: Any) -> Checkpointer:
 def test_checkpointer_paces_by_default_and_the_checkpoint_loads(tmp_path: Path) -> None:
     assert DEFAULT_PERSIST_CPU_SHARE == 0.1
     clock = FakeClock()
-    c = _save_once(tmp_path, clock)
+    c = _save_once(tmp_path, clock, persist_free_cpu_s=0.0)  # (12 MB may fit the allowance)
     pacer = c._p._pacer
     assert pacer is not None and pacer.rested_s > 0  # hashing 12 MB took some CPU
     c.wait()
-    big = _Big()
+    big = _Tensor()
     big.t = torch.zeros(1)
     c2 = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), save_rng=False)
     c2.register("big", big)
     assert c2.load() is not None and torch.equal(big.t, torch.arange(3_000_000.0))
+
+
+def test_a_small_checkpoint_commits_unpaced_by_default(tmp_path: Path) -> None:
+    # A failure before the commit recomputes from the checkpoint before: ten times a
+    # small persist's CPU time of rests (~0.25-1 s a save in the goodput bench) was work
+    # lost to every failure in that window.
+    assert DEFAULT_PERSIST_FREE_CPU_S == 0.05
+    clock = FakeClock()
+    c = _save_once(tmp_path, clock, n=4096, save_rng=True)  # (the defaults: rng state saved)
+    pacer = c._p._pacer
+    assert pacer is not None and pacer.rested_s == 0.0
+    assert c.steps() == [1]
+    c.wait()
+
+
+def test_checkpointer_rejects_a_negative_free_cpu(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError):
+        Checkpointer(str(tmp_path), ctx=single_process_context(), persist_free_cpu_s=-0.1)
 
 
 def test_checkpointer_unpaced_when_share_is_none(tmp_path: Path) -> None:

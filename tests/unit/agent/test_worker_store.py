@@ -1,0 +1,97 @@
+"""Who hosts the workers' store in restart mode, and the agent-hosted store of elastic rounds."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from flexrun.agent.worker_store import RoundStores, shares_agent_store
+from flexrun.config import RunConfig, StaticJob, StoreSettings
+from flexrun.rendezvous.state import MasterRecord, Member, RoundRecord
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(tmp_path: Path, **kw: object) -> RunConfig:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    return RunConfig(entrypoint=str(script), nproc_per_node=2, **kw)  # type: ignore[arg-type]
+
+
+def test_restart_mode_shares_an_agent_store_as_torchruns_c10d_handler(tmp_path: Path) -> None:
+    assert shares_agent_store(_config(tmp_path))
+    off = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert not shares_agent_store(_config(tmp_path, environ=off))
+    assert shares_agent_store(
+        _config(tmp_path, environ={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    )
+    # torchrun's etcd handlers do not share their store; live mode has its own group store
+    assert not shares_agent_store(_config(tmp_path, store=StoreSettings(backend="etcd")))
+    assert not shares_agent_store(_config(tmp_path, mode="live"))
+    # a static job's workers always meet in node rank 0's agent store (torchrun's static)
+    static = StaticJob(nnodes=2, node_rank=1, master_addr="10.1.2.3", master_port=29500)
+    assert shares_agent_store(_config(tmp_path, static=static, environ=off))
+
+
+def _round(number: int, *ids: str) -> RoundRecord:
+    members = tuple(Member(i, "127.0.0.1", 1) for i in ids)
+    return RoundRecord(number=number, state="running", members=members)
+
+
+class Published:
+    """The rendezvous side of ``master_for``: the first record of a round wins."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, MasterRecord] = {}
+        self.listening_when_published: list[bool] = []
+
+    def __call__(self, rnd: RoundRecord, port: int) -> MasterRecord | None:
+        if port:
+            self.listening_when_published.append(_listens(port))
+            self.records.setdefault(rnd.number, MasterRecord("127.0.0.1", port))
+        return self.records.get(rnd.number)
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_group_rank_0_hosts_a_fresh_store_each_round_before_publishing_it(
+    tmp_path: Path,
+) -> None:
+    pub = Published()
+    stores = RoundStores(pub, node_id="a", addr="127.0.0.1")
+    try:
+        first = stores.for_round(_round(1, "a", "b"))
+        assert first is not None and pub.listening_when_published == [True]
+        # a worker is a plain client of it (TORCHELASTIC_USE_AGENT_STORE=True in torch)
+        client = dist.TCPStore("127.0.0.1", first.port, 2, False, timeout=timedelta(seconds=10))
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+        del client
+        second = stores.for_round(_round(2, "a", "b"))
+        assert second is not None and second.port != first.port
+        assert not _listens(first.port)  # the old round's keys are gone with their store
+        # a round where another node is group rank 0: nothing hosted here, its master used
+        pub.records[3] = MasterRecord("127.0.0.1", 1)
+        assert stores.for_round(_round(3, "b", "a")) == MasterRecord("127.0.0.1", 1)
+        assert not _listens(second.port)
+    finally:
+        stores.close()
+
+
+def test_a_master_published_first_by_another_wins_and_ours_is_dropped(tmp_path: Path) -> None:
+    pub = Published()
+    pub.records[1] = MasterRecord("127.0.0.1", 1)  # e.g. an earlier agent of this node id
+    stores = RoundStores(pub, node_id="a", addr="127.0.0.1")
+    try:
+        assert stores.for_round(_round(1, "a")) == MasterRecord("127.0.0.1", 1)
+        assert stores._server is None
+    finally:
+        stores.close()
