@@ -23,7 +23,8 @@ Keep-alive keys. Each key written with ``ttl_s`` gets its own lease (TTL rounded
 whole seconds, as etcd requires). Writing the same value again with the same TTL is a
 lease keep-alive only (one small request that etcd's leader answers without a raft write,
 and no watch event: keep-alives wake nobody); the value itself is written again at most
-every ``ttl_s``, so a key deleted or overwritten by someone else comes back. A dead node's
+every ``ttl_s`` (after the keep-alive: a put does not renew its lease), so a key deleted
+or overwritten by someone else comes back. A dead node's
 keys vanish when etcd expires its lease (whole seconds, at least etcd's minimum TTL,
 checked every 500 ms): readers take a present key as alive. Keys under ``__flexrun/``
 are never returned by :meth:`EtcdStore.get_prefix`.
@@ -232,17 +233,26 @@ class EtcdStore:
         return lease
 
     def _refresh(self, key: str, value: bytes, ttl_s: float) -> int | None:
-        """Keep ``key``'s lease alive when nothing else needs writing; its revision, or
-        None when the key must be written (new, changed, due, or its lease expired)."""
+        """Keep ``key``'s lease alive; its revision, or None when the key must be written
+        too (new, changed, due, or its lease expired).
+
+        Every repeat renews the lease, the repeat that writes the value again included: a
+        put attached to a lease does not renew it in etcd, so a repeat that only wrote left
+        the lease two intervals without renewal, and a keep-alive thread late by more than
+        the TTL less two intervals (2.3 s at 1024 nodes' 7 s / 2.3 s defaults, on a loaded
+        machine) lost its key: the watcher saw the node lost and replaced the round."""
         with self._lock:
             held = self._leases.get(key)
         if held is None or held[1] != ttl_s or held[2] != value:
             return None
-        if self._clock.monotonic() - held[4] >= ttl_s:
-            return None  # written again every ttl_s: a deleted or overwritten key comes back
         result = self._call("/lease/keepalive", {"ID": held[0]})
         if int(result.get("result", {}).get("TTL", 0)) <= 0:
-            return None  # expired (the store was down longer than the TTL): a new lease
+            with self._lock:  # expired (the store was down longer than the TTL): a new lease
+                if self._leases.get(key) == held:
+                    del self._leases[key]
+            return None
+        if self._clock.monotonic() - held[4] >= ttl_s:
+            return None  # written again every ttl_s: a deleted or overwritten key comes back
         return held[3]
 
     def _forget_lease(self, key: str) -> None:
