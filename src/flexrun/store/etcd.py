@@ -233,14 +233,9 @@ class EtcdStore:
         return lease
 
     def _refresh(self, key: str, value: bytes, ttl_s: float) -> int | None:
-        """Keep ``key``'s lease alive; its revision, or None when the key must be written
-        too (new, changed, due, or its lease expired).
-
-        Every repeat renews the lease, the repeat that writes the value again included: a
-        put attached to a lease does not renew it in etcd, so a repeat that only wrote left
-        the lease two intervals without renewal, and a keep-alive thread late by more than
-        the TTL less two intervals (2.3 s at 1024 nodes' 7 s / 2.3 s defaults, on a loaded
-        machine) lost its key: the watcher saw the node lost and replaced the round."""
+        """Renew ``key``'s lease; its revision, or None when the key must be written too
+        (new, changed, due, or expired). The repeat that rewrites renews too: a put does
+        not renew its lease (one that skipped it lost its key when late by TTL - 2 beats)."""
         with self._lock:
             held = self._leases.get(key)
         if held is None or held[1] != ttl_s or held[2] != value:
