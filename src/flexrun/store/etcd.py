@@ -243,8 +243,7 @@ class EtcdStore:
         result = self._call("/lease/keepalive", {"ID": held[0]})
         if int(result.get("result", {}).get("TTL", 0)) <= 0:
             with self._lock:  # expired (the store was down longer than the TTL): a new lease
-                if self._leases.get(key) == held:
-                    del self._leases[key]
+                self._leases.pop(key, None)
             return None
         if self._clock.monotonic() - held[4] >= ttl_s:
             return None  # written again every ttl_s: a deleted or overwritten key comes back
