@@ -43,6 +43,12 @@ class Counter:
             self.out[role] += sent
             self.inp[role] += received
 
+    def add_received(self, received: int) -> None:
+        """Bytes that arrived on a stream already counted as a request (a watch read on)."""
+        role = "hb" if threading.current_thread().name in (HB_THREAD, "torch-hb") else "rdzv"
+        with self.lock:
+            self.inp[role] += received
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self.lock:
             return {"req": dict(self.req), "out": dict(self.out), "inp": dict(self.inp)}
@@ -80,8 +86,48 @@ def count_tcp(store: Any, counter: Counter) -> None:
     log._server_wait = counted_wait
 
 
+_watching = threading.local()  # the counter of the agent whose watch this thread reads
+
+
+def _count_stream_reads() -> None:
+    """Count the bytes of every watch message read (once per process)."""
+    from flexrun.store.etcd_watch import Stream
+
+    if getattr(Stream, "_counted", False):
+        return
+    read = Stream.next
+
+    def counted_next(self: Any, read_s: float) -> Any:
+        message = read(self, read_s)
+        counter = getattr(_watching, "counter", None)
+        if counter is not None and message is not None:
+            counter.add_received(len(json.dumps(message)))
+        return message
+
+    Stream.next = counted_next  # type: ignore[method-assign]
+    Stream._counted = True  # type: ignore[attr-defined]
+
+
 def count_etcd(store: Any, counter: Counter) -> None:
-    """Count every HTTP request an EtcdStore sends (bodies and answers, JSON as sent)."""
+    """Count every HTTP request an EtcdStore sends (bodies and answers, JSON as sent); a
+    watch counts as a request when it opens a stream (a wait that reads on from the stream
+    the last one left open sends nothing), its messages as bytes received."""
+    _count_stream_reads()
+    watches = store._watches
+    watch = watches.watch
+
+    def counted_watch(t: Any, request: Any, deadline: float, since: int) -> Any:
+        before = getattr(watches._local, "open", None)
+        _watching.counter = counter
+        try:
+            return watch(t, request, deadline, since)
+        finally:
+            _watching.counter = None
+            after = getattr(watches._local, "open", None)
+            if after is not None and after is not before:
+                counter.add(len("/watch") + len(json.dumps(request)) + 120, 100)
+
+    watches.watch = counted_watch
     for t in store._transports:
         post, stream = t.post, t.stream
 

@@ -9,8 +9,8 @@ to leases, and waiting for change is a watch. It does not run etcd (see
 
 Transport. etcd's JSON gateway (``/v3/...`` over HTTP/1.1) through
 :mod:`flexrun.store.etcd_http` (standard library only). The gateway is unidirectional,
-so a watch is one bounded streaming request per :meth:`EtcdStore.wait_for_change` (read
-timeout = the time left), never polling.
+so a watch is a streaming request, never polling; one a thread's wait left open after an
+event serves its next wait on the same prefix (:mod:`flexrun.store.etcd_watch`).
 
 Endpoints. ``--rdzv-endpoint a:2379,b:2379,c:2379``: requests go to the endpoint that
 last answered; on a refused connection, an unavailable member (no leader) or a timeout
@@ -61,7 +61,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError, StoreError
 from flexrun.store.api import Entry
-from flexrun.store.etcd_http import Cluster, Transport, Unreachable, tls_context
+from flexrun.store.etcd_http import Cluster, Transport, tls_context
+from flexrun.store.etcd_watch import Watches
 
 if TYPE_CHECKING:  # the store layer takes settings from above but never imports config at run time
     from flexrun.config import StoreSettings
@@ -190,6 +191,7 @@ class EtcdStore:
         # prefix -> (revision, key (base64) -> kv): the last get_prefix, brought up to date
         # by the next one with only the keys modified since
         self._snapshots: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
+        self._watches = Watches(clock, lambda: self._cluster.request_timeout_s)
         self._cluster.connect(connect_timeout_s)
 
     @classmethod
@@ -407,29 +409,9 @@ class EtcdStore:
         }
         if timeout_s <= 0:
             return False, since_revision
-        return self._retry(lambda t, attempt_s: self._watch(t, request, deadline, since_revision))
-
-    def _watch(
-        self, t: Transport, request: Mapping[str, Any], deadline: float, since_revision: int
-    ) -> tuple[bool, int]:
-        remaining = max(0.01, deadline - self._clock.monotonic())
-        connect_s = min(remaining, self._cluster.request_timeout_s)
-        for message in t.stream("/watch", request, connect_s, remaining):
-            if "error" in message:
-                raise Unreachable(str(message["error"]))
-            result = message.get("result", {})
-            if result.get("events"):
-                return True, max(_rev(result), since_revision)
-            if result.get("canceled"):
-                if int(result.get("compact_revision", 0)):
-                    # History before since_revision is compacted: report a change.
-                    return True, max(_rev(result), since_revision)
-                raise Unreachable(str(result.get("cancel_reason", "watch canceled")))
-            if self._clock.monotonic() >= deadline:
-                return False, since_revision
-        if self._clock.monotonic() >= deadline - 0.01:
-            return False, since_revision  # the read timed out: the wait is over
-        raise Unreachable("watch ended early")
+        return self._retry(
+            lambda t, attempt_s: self._watches.watch(t, request, deadline, since_revision)
+        )
 
     def close(self) -> None:
         self._cluster.close()
