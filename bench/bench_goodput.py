@@ -30,8 +30,15 @@ the next kill (detection + restart + recomputation). Each run is bounded by ``--
 a run still going then counts as hung, a non-zero exit as died. After each run every
 invariant of ``flexrun.testing.invariants`` is checked.
 
+With ``--baseline`` (the default) each launcher first runs the same workload with no fault,
+and ETTR is also given as issue 20 defines it: the wall time of the fault-free run over the
+wall time of the run with the kills (``ETTR(#20)``; start-up and teardown are in both, so what
+it measures is the time the kills cost), and the same over the training spans alone
+(``span ratio``, free of the start-up's variance).
+
     flock -x -w 2400 /tmp/flexrun-heavy.lock timeout 1500 python3 bench/bench_goodput.py
     python3 bench/bench_goodput.py --interval 12 --jitter 0.167   # a kill every 10-14 s
+    python3 bench/bench_goodput.py --interval 12 --jitter 0.167 --ckpt-every 4   # issue 20
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=420.0, help="per launcher")
     p.add_argument("--launchers", default="restart,live,torchrun")
+    p.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each launcher with no fault first (issue 20's ETTR; default on)",
+    )
     p.add_argument("--root", default=None)
     a = p.parse_args()
 
@@ -88,6 +101,21 @@ def main() -> int:
             root=root / launcher, launcher=launcher, nodes=1, max_nodes=1, nproc=a.nproc,
             steps=a.steps, step_sleep=a.step_sleep, ckpt_every=a.ckpt_every, seed=a.seed,
         )  # fmt: skip
+        base: dict = {}
+        if a.baseline:
+            clean = JobSpec(
+                root=root / f"{launcher}-nofault", launcher=launcher, nodes=1, max_nodes=1,
+                nproc=a.nproc, steps=a.steps, step_sleep=a.step_sleep, ckpt_every=a.ckpt_every,
+                seed=a.seed,
+            )  # fmt: skip
+            res0 = run_chaos(clean, [], timeout_s=a.timeout)
+            base = res0.stats
+            print(
+                f"  {launcher:9s} fault-free: wall {base.get('wall_s')} s, span "
+                f"{base.get('span_s')} s, startup {base.get('startup_s')} s, teardown "
+                f"{base.get('teardown_s')} s, violations {len(res0.violations)}",
+                flush=True,
+            )
         t0 = time.time()
         res = run_chaos(spec, faults, timeout_s=a.timeout)
         st = res.stats
@@ -113,6 +141,10 @@ def main() -> int:
             "hung": hung,
             "died": died,
             "violations": [f"{v.invariant}: {v.detail}" for v in res.violations],
+            "fault_free_wall_s": base.get("wall_s"),
+            "fault_free_span_s": base.get("span_s"),
+            "ettr_issue20": _ratio(base.get("wall_s"), st.get("wall_s")),
+            "span_ratio": _ratio(base.get("span_s"), st.get("span_s")),
         }
         rows.append(row)
         print(f"  {launcher:9s} done in {time.time() - t0:.0f}s: {json.dumps(row)}", flush=True)
@@ -144,12 +176,30 @@ def main() -> int:
             f"{r['teardown_s'] or 0:8.1f} {r['productive_cycle_s'] / span if span else 0:10.3f}"
             f"  mean {mean:.2f}: {ttp}"
         )
+    if a.baseline:
+        print()
+        print("issue 20's ETTR: wall of the fault-free run / wall of the run with the kills")
+        print(
+            f"{'launcher':10s} {'ETTR(#20)':>9s} {'free wall':>9s} {'wall':>7s} "
+            f"{'span ratio':>10s} {'free span':>9s} {'span':>7s}"
+        )
+        for r in rows:
+            print(
+                f"{r['launcher']:10s} {r['ettr_issue20'] or 0:9.3f} "
+                f"{r['fault_free_wall_s'] or 0:9.1f} {r['wall_s']:7.1f} "
+                f"{r['span_ratio'] or 0:10.3f} {r['fault_free_span_s'] or 0:9.1f} "
+                f"{r['span_s'] or 0:7.1f}"
+            )
     for r in rows:
         for v in r["violations"]:
             print(f"violation {r['launcher']}: {v}")
     (root / "goodput.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(f"load after: {os.getloadavg()}")
     return 0
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 4) if num and den else None
 
 
 if __name__ == "__main__":
