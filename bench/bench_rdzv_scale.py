@@ -132,11 +132,18 @@ class Run:
             for p in range(procs)
         ]
         self.runs: dict[int, tuple[int, float]] = {}  # agent -> (latest round, when)
+        self.firsts: dict[int, float] = {}  # round -> when the first agent ran it
+        self.joined: dict[int, float] = {}  # agent -> when its join returned
         self.watcher: int | None = None
         self.errors: list[str] = []
         self.retries = 0
         self.retry_example = ""
         self.snapshots: dict[str, dict[int, Any]] = {}
+        self.ran: dict[int, int] = {}  # round -> agents that ran it
+        self.reasons: dict[int, tuple[str, int]] = {}  # round -> (reason, members)
+        self.headers: dict[tuple[int, str], tuple[str, int, float]] = {}  # first sight
+        self.watch_changes: list[tuple[float, int, bool]] = []  # (when, agent, watching)
+        self.beats: dict[str, dict[str, float]] = {}  # snapshot -> keep-alive gaps before it
         self._pending: list[Any] = []
 
     def start(self, timeout_s: float) -> float:
@@ -157,13 +164,35 @@ class Run:
             msg = self.results.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
             return None
+        return self._get_one(msg)
+
+    def _get_one(self, msg: Any) -> Any:
         kind = msg[0]
         if kind == "run":
-            _, _, aid, number, t, watching, _members = msg
+            aid, number, t, watching, members = msg[2:7]
             if number >= self.runs.get(aid, (0, 0.0))[0]:
                 self.runs[aid] = (number, t)
+            self.firsts[number] = min(t, self.firsts.get(number, t))
+            self.ran[number] = self.ran.get(number, 0) + 1
+            if len(msg) > 7:
+                self.reasons.setdefault(number, (msg[7], members))
             if watching:
                 self.watcher = aid
+        elif kind == "header":
+            aid, number, state, reason, size, t = msg[2:8]
+            key = (number, state)
+            if key not in self.headers or t < self.headers[key][2]:
+                self.headers[key] = (reason, size, t)
+        elif kind == "watching":
+            self.watch_changes.append((msg[4], msg[2], msg[3]))
+        elif kind == "beats":
+            name, got = msg[2], msg[3]
+            agg = self.beats.setdefault(name, {"max_gap": 0.0, "lapsed": 0, "failed": 0})
+            agg["max_gap"] = max(agg["max_gap"], got["max_gap"])
+            agg["lapsed"] += got["lapsed"]
+            agg["failed"] += got["failed"]
+        elif kind == "joined":
+            self.joined[msg[2]] = msg[3]
         elif kind == "error":
             self.errors.append(f"agent {msg[2]}: {msg[3]}")
         elif kind == "retry":
@@ -183,6 +212,12 @@ class Run:
         deadline = time.monotonic() + timeout_s
         while len(self.snapshots.get(name, {})) < sum(1 for _ in self.owner) and time.monotonic() < deadline:
             self._get(deadline)
+        with contextlib.suppress(queue.Empty):  # the last process's gaps follow its snapshot
+            while True:
+                msg = self.results.get(timeout=0.2)
+                self._get_one(msg)
+                if msg[0] == "beats" and msg[2] == name:
+                    break
 
     def until_round(self, agents: set[int], above: int, deadline: float) -> tuple[int, float] | None:
         """Wait until every agent of ``agents`` runs one round numbered above ``above``."""
@@ -258,6 +293,7 @@ def measure(backend: str, n: int, scenarios: list[str], args: argparse.Namespace
             cpu_form = cpu_s(server_pid) - cpu0
             rows.append(_row(backend, n, "form" if not growth else "form (1:N+2)", t_form, run,
                              "t0", "formed", first, cpu_form, setup_s, args))
+            timeline(run, t0, first, got[0] if got is not None else None, "formed")
             if got is None or not growth:
                 return rows
             number = got[0]
@@ -273,6 +309,7 @@ def measure(backend: str, n: int, scenarios: list[str], args: argparse.Namespace
                 run.snapshot("joined")
                 rows.append(_row(backend, n, "join 1", (got[1] - t1) if got else None, run,
                                  "before-join", "joined", everyone, cpu_s(server_pid) - cpu0, 0, args))
+                timeline(run, t1, {joiner}, got[0] if got else None, "joined", since=number)
                 if got is None:
                     return rows
                 number, first = got[0], everyone
@@ -288,6 +325,7 @@ def measure(backend: str, n: int, scenarios: list[str], args: argparse.Namespace
                 run.snapshot("lost")
                 rows.append(_row(backend, n, "lose 1", (got[1] - t2) if got else None, run,
                                  "before-loss", "lost", survivors, cpu_s(server_pid) - cpu0, 0, args))
+                timeline(run, t2, set(), got[0] if got else None, "lost", since=number)
         finally:
             run.stop()
     return rows
@@ -317,6 +355,42 @@ def _row(backend: str, n: int, phase: str, t: float | None, run: Run, a: str, b:
     if run.retry_example:
         print(f"      retried (example): {run.retry_example}", flush=True)
     return row
+
+
+def timeline(run: Run, t0: float, agents: set[int], number: int | None, snap: str = "",
+             since: int = 0) -> None:
+    """Where a phase's time went: agents joined (their join returned); every round header
+    seen after ``since`` (its reason, size, when first seen by any agent, when first run and
+    by how many): a replaced round says why; watcher changes; the keep-alive scheduler's
+    longest gap between two beats of one agent (``snap``: the snapshot ending the phase)."""
+    joins = sorted(run.joined[a] - t0 for a in agents if a in run.joined and run.joined[a] >= t0)
+    parts = []
+    if joins:
+        parts.append(f"joined: half {joins[len(joins) // 2]:.2f} s, all {joins[-1]:.2f} s "
+                     f"({len(joins)})")
+    if number is not None and number in run.firsts:
+        parts.append(f"round {number} first run {run.firsts[number] - t0:.2f} s")
+    if parts:
+        print("      timeline: " + "; ".join(parts), flush=True)
+    for (num, state), (reason, size, t) in sorted(run.headers.items(), key=lambda kv: kv[1][2]):
+        if num <= since:
+            continue
+        ran = ""
+        if state == "running" and num in run.firsts:
+            ran = f", first run {run.firsts[num] - t0:.2f} s by {run.ran.get(num, 0)} agents"
+        print(f"      round {num} {state:8} reason {reason or '-':14} {size:5} members, "
+              f"first seen {t - t0:7.2f} s{ran}", flush=True)
+    changes = [(t, a, w) for t, a, w in run.watch_changes if t >= t0]
+    if changes:
+        shown = ", ".join(f"{t - t0:.2f} s agent {a} {'claimed' if w else 'gave up'}"
+                          for t, a, w in changes[:6])
+        print(f"      watcher: {shown}" + (f" (+{len(changes) - 6})" if len(changes) > 6 else ""),
+              flush=True)
+    beats = run.beats.get(snap)
+    if beats:
+        print(f"      keep-alives: longest gap between two beats of one agent "
+              f"{beats['max_gap']:.2f} s, gaps past the timeout {beats['lapsed']:.0f}, failed "
+              f"beats {beats['failed']:.0f}", flush=True)
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -350,8 +424,10 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=16, help="processes the agents are spread over")
     ap.add_argument("--last-call", type=float, default=1.0)
     ap.add_argument("--heartbeat-interval", type=float, default=None,
-                    help="default: the agent's default for this N (max(1, N/2000) s)")
-    ap.add_argument("--heartbeat-timeout", type=float, default=None, help="default: 5 x interval")
+                    help="default: the agent's default for this N and backend "
+                    "(flexrun.config.keepalive_defaults)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=None,
+                    help="default: the agent's default (5 x a given interval)")
     ap.add_argument("--wait", type=float, default=0.5,
                     help="an agent's tick: h.wait() timeout between steps (the agent uses 0.1 s "
                     "with workers, 0.5 s without; a quiet tick costs a follower no store request "
@@ -385,8 +461,12 @@ def main() -> int:
         sizes = args.torch_sizes if backend == "torch" else args.sizes
         scenarios = ["form"] if backend == "torch" else args.scenarios
         for n in sizes:
-            interval = args.heartbeat_interval or max(1.0, n / 2000)
-            timeout = args.heartbeat_timeout or 5 * interval
+            from flexrun.config import keepalive_defaults
+
+            default = keepalive_defaults(n, etcd=backend == "etcd")
+            interval = args.heartbeat_interval or default[0]
+            timeout = args.heartbeat_timeout or (default[1] if not args.heartbeat_interval
+                                                 else 5 * interval)
             a = argparse.Namespace(**{**vars(args), "heartbeat_interval": interval,
                                       "heartbeat_timeout": timeout})
             print(f"-- {backend} N={n}: keep-alive every {interval:g}s (timeout {timeout:g}s)",

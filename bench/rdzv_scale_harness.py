@@ -43,6 +43,12 @@ class Counter:
             self.out[role] += sent
             self.inp[role] += received
 
+    def add_received(self, received: int) -> None:
+        """Bytes that arrived on a stream already counted as a request (a watch read on)."""
+        role = "hb" if threading.current_thread().name in (HB_THREAD, "torch-hb") else "rdzv"
+        with self.lock:
+            self.inp[role] += received
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self.lock:
             return {"req": dict(self.req), "out": dict(self.out), "inp": dict(self.inp)}
@@ -80,8 +86,48 @@ def count_tcp(store: Any, counter: Counter) -> None:
     log._server_wait = counted_wait
 
 
+_watching = threading.local()  # the counter of the agent whose watch this thread reads
+
+
+def _count_stream_reads() -> None:
+    """Count the bytes of every watch message read (once per process)."""
+    from flexrun.store.etcd_watch import Stream
+
+    if getattr(Stream, "_counted", False):
+        return
+    read = Stream.next
+
+    def counted_next(self: Any, read_s: float) -> Any:
+        message = read(self, read_s)
+        counter = getattr(_watching, "counter", None)
+        if counter is not None and message is not None:
+            counter.add_received(len(json.dumps(message)))
+        return message
+
+    Stream.next = counted_next  # type: ignore[method-assign]
+    Stream._counted = True  # type: ignore[attr-defined]
+
+
 def count_etcd(store: Any, counter: Counter) -> None:
-    """Count every HTTP request an EtcdStore sends (bodies and answers, JSON as sent)."""
+    """Count every HTTP request an EtcdStore sends (bodies and answers, JSON as sent); a
+    watch counts as a request when it opens a stream (a wait that reads on from the stream
+    the last one left open sends nothing), its messages as bytes received."""
+    _count_stream_reads()
+    watches = store._watches
+    watch = watches.watch
+
+    def counted_watch(t: Any, request: Any, deadline: float, since: int) -> Any:
+        before = getattr(watches._local, "open", None)
+        _watching.counter = counter
+        try:
+            return watch(t, request, deadline, since)
+        finally:
+            _watching.counter = None
+            after = getattr(watches._local, "open", None)
+            if after is not None and after is not before:
+                counter.add(len("/watch") + len(json.dumps(request)) + 120, 100)
+
+    watches.watch = counted_watch
     for t in store._transports:
         post, stream = t.post, t.stream
 
@@ -151,7 +197,7 @@ class Agent:
     keep-alive written by the process's scheduler (the same writes at the same interval)."""
 
     def __init__(self, aid: int, cfg: dict[str, Any], report: Callable[..., None],
-                 kick: threading.Event) -> None:
+                 kick: threading.Event, seen: Seen | None = None) -> None:
         from flexrun.config import RendezvousSettings, StoreSettings
         from flexrun.events import EventLog
         from flexrun.rendezvous import NodeRecord, RendezvousHandler
@@ -209,6 +255,8 @@ class Agent:
         self.pending: Any = None  # a round whose master address is not known yet
         self.next_tick = 0.0
         self.tries = 0
+        self.seen = seen or Seen(report)
+        self.was_watching = False
 
     def kill(self) -> None:
         """As a SIGKILL looks to the store: no more steps, no more keep-alives, no leave."""
@@ -232,9 +280,14 @@ class Agent:
             if not self.joined:
                 self.h.join()
                 self.joined = True
+                self.report("joined", self.aid, time.monotonic())
             changed = self.h.wait(0)  # the agent's wait, timed out (or woken) by now
             if self.pending is None or changed:
                 action = self.h.step(self.running)
+                self.seen.header(self.aid, self.h._header)
+                if self.h.watching != self.was_watching:
+                    self.was_watching = self.h.watching
+                    self.report("watching", self.aid, self.h.watching, time.monotonic())
                 if isinstance(action, Run) and action.round.number != self.running:
                     self.pending = action.round
                 elif isinstance(action, Stop):
@@ -252,7 +305,7 @@ class Agent:
                 if found:
                     self.pending, self.running = None, rnd.number
                     self.report("run", self.aid, rnd.number, time.monotonic(), self.h.watching,
-                                len(rnd.members))
+                                len(rnd.members), rnd.reason)
             self.tries = 0
             fast = self.h.watching or self.pending is not None
             return now + (self.cfg["wait_watcher_s"] if fast else self.cfg["wait_s"])
@@ -268,6 +321,30 @@ class Agent:
     def beat(self) -> None:
         if self.joined and not self.dead.is_set():
             self.h._beat()
+
+
+class Seen:
+    """The round headers this process's agents have seen: the first sight of each (number,
+    state) is reported once per process, with its reason and size (the parent takes the
+    earliest over processes: when the round was published)."""
+
+    def __init__(self, report: Callable[..., None]) -> None:
+        self.report = report
+        self.lock = threading.Lock()
+        self.keys: set[tuple[int, str]] = set()
+
+    def header(self, aid: int, hdr: Any) -> None:
+        if hdr is None:
+            return
+        key = (hdr.number, hdr.state)
+        if key in self.keys:
+            return
+        with self.lock:
+            if key in self.keys:
+                return
+            self.keys.add(key)
+        self.report("header", aid, hdr.number, hdr.state, hdr.reason, len(hdr.members),
+                    time.monotonic())
 
 
 def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -> None:
@@ -289,15 +366,46 @@ def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -
         kick.wait(max(0.001, min(1.0, heap[0][0] - time.monotonic() if heap else 1.0)))
 
 
-def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event) -> None:
+class BeatGaps:
+    """The longest time between two keep-alives of one agent of this process (what a TTL
+    must cover), and how many gaps passed the timeout, since the last snapshot."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.last: dict[int, float] = {}
+        self.max_gap = 0.0
+        self.lapsed = 0
+        self.failed = 0
+
+    def beat(self, aid: int, now: float) -> None:
+        prev = self.last.get(aid)
+        self.last[aid] = now
+        if prev is not None:
+            gap = now - prev
+            self.max_gap = max(self.max_gap, gap)
+            self.lapsed += gap > self.timeout_s
+
+    def take(self) -> dict[str, float]:
+        out = {"max_gap": self.max_gap, "lapsed": self.lapsed, "failed": self.failed}
+        self.max_gap, self.lapsed, self.failed = 0.0, 0, 0
+        return out
+
+
+def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event,
+               gaps: BeatGaps | None = None) -> None:
     """Every agent's keep-alive once per interval, spread over it."""
     from flexrun.errors import StoreError
 
     while not stop.is_set():
         t0 = time.monotonic()
         for k, a in enumerate(agents):
-            with contextlib.suppress(StoreError):  # (retried at the next beat, as the handler's)
+            try:
                 a.beat()
+                if gaps is not None and a.joined and not a.dead.is_set():
+                    gaps.beat(a.aid, time.monotonic())
+            except StoreError:  # (retried at the next beat, as the handler's)
+                if gaps is not None:
+                    gaps.failed += 1
             delay = t0 + interval_s * (k + 1) / len(agents) - time.monotonic()
             if delay > 0 and stop.wait(delay):
                 return
@@ -369,22 +477,27 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
     torch_mode = cfg["backend"] == "torch"
     kicks = [threading.Event() for _ in range(STEPPERS)]
     agents: dict[int, Any] = {}
+    seen = Seen(report)
     try:
         for n, aid in enumerate(ids):
-            cls = TorchAgent if torch_mode else Agent
-            agents[aid] = cls(aid, cfg, report, kicks[n % STEPPERS])
+            if torch_mode:
+                agents[aid] = TorchAgent(aid, cfg, report, kicks[n % STEPPERS])
+            else:
+                agents[aid] = Agent(aid, cfg, report, kicks[n % STEPPERS], seen)
             if torch_mode:
                 agents[aid].thread.start()
     except Exception as exc:  # noqa: BLE001
         report("error", -1, f"setup: {type(exc).__name__}: {exc}"[:300])
     stop = threading.Event()
+    gaps = BeatGaps(cfg["hb_timeout_s"])
     threads = []
     if not torch_mode:
         mine = [agents[a] for a in ids if a in agents]
         for k in range(STEPPERS):
             threads.append(threading.Thread(target=stepper, args=(mine[k::STEPPERS], kicks[k], stop),
                                             daemon=True, name=f"stepper-{k}"))
-        threads.append(threading.Thread(target=keepalives, args=(mine, cfg["hb_interval_s"], stop),
+        threads.append(threading.Thread(target=keepalives,
+                                        args=(mine, cfg["hb_interval_s"], stop, gaps),
                                         daemon=True, name=HB_THREAD))
         for t in threads:
             t.start()
@@ -403,6 +516,7 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
             report("killed", args[0], time.monotonic())
         elif cmd == "snapshot":
             report("snapshot", args[0], {aid: a.counter.snapshot() for aid, a in agents.items()})
+            report("beats", args[0], gaps.take())
         elif cmd == "stop":
             stop.set()
             for a in agents.values():

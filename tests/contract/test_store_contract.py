@@ -274,3 +274,46 @@ def test_a_directory_watch_after_a_read_wakes_on_the_next_write_only(store: Stor
     assert not store.wait_for_change("dirw/", since, timeout_s=0.3)[0]
     store.put("dirw/k", b"1")
     assert store.wait_for_change("dirw/", since, timeout_s=5)[0]
+
+
+def test_get_at_sees_what_get_sees_and_a_watch_from_its_revision_misses_no_later_write(
+    store: Store,
+) -> None:
+    """The optional ``get_at`` (etcd; the signed wrapper on every backend): the entry and a
+    revision no older than it, from which a watch sees the next write and nothing before."""
+    from flexrun.store.signed import SignedStore
+
+    rev_a = store.put("at/a", b"1")
+    for s in (store, SignedStore(store, b"0123456789abcdef0123")):
+        get_at = getattr(s, "get_at", None)
+        if get_at is None:
+            continue
+        s.put("at/b", b"2")
+        entry, seen = get_at("at/b")
+        assert entry is not None and entry.value == b"2" and seen >= entry.revision > rev_a
+        absent, seen_absent = get_at("at/none")
+        assert absent is None and seen_absent >= seen
+        assert s.wait_for_change("at/", seen_absent, 0.2) == (False, seen_absent)
+        threading.Timer(0.1, lambda s=s: s.put("at/c", b"3")).start()
+        changed, _ = s.wait_for_change("at/", seen_absent, 5.0)
+        assert changed
+
+
+def test_successive_waits_on_one_prefix_see_exactly_the_writes_after_their_revision(
+    store: Store,
+) -> None:
+    """What an agent's one long watch does: wait, read, wait again from the newer revision
+    (etcd reads on from the stream the last wait left open): each wait sees a write after
+    its revision and nothing at or before it; a wait from an older revision sees the
+    writes it missed."""
+    r1 = store.put("seq/a", b"1")
+    assert store.wait_for_change("seq/", r1 - 1, 5.0)[0]
+    r2 = store.put("seq/b", b"2")
+    r3 = store.put("seq/c", b"3")
+    assert store.wait_for_change("seq/", r2, 5.0)[0]  # c, after b
+    assert not store.wait_for_change("seq/", r3, 0.3)[0]  # nothing after c
+    threading.Timer(0.1, lambda: store.put("seq/d", b"4")).start()
+    changed, _ = store.wait_for_change("seq/", r3, 5.0)
+    assert changed
+    assert store.wait_for_change("seq/", r1 - 1, 5.0)[0]  # again from before a
+    assert store.wait_for_change("seq/", r2, 5.0)[0]  # c and d are after b

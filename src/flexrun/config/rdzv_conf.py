@@ -127,7 +127,7 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) 
             "--rdzv-conf heartbeat_interval and keep_alive_interval are the same setting; give one"
         )
     interval = interval if interval is not None else keep_alive
-    default_interval, default_timeout = keepalive_defaults(max_nodes)
+    default_interval, default_timeout = keepalive_defaults(max_nodes, etcd=etcd)
     hb_interval = interval if interval is not None else default_interval
     hb_timeout = _dur(conf, "heartbeat_timeout", positive=True)
     if "keep_alive_max_attempt" in conf:

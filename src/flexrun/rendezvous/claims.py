@@ -1,8 +1,10 @@
 """Who watches membership: reading the watcher claim, judging its holder, taking it over.
 
 Owns the claim key's bookkeeping for one handler (:class:`Claims`): when to read it (as
-the watcher every step; as a follower when the header changed, and otherwise every
-``max(heartbeat_interval, heartbeat_timeout / 2)``), the holder's keep-alive, claiming by
+the watcher every step; as a follower when the header changed within a round, and every
+``max(heartbeat_interval, heartbeat_timeout / 2)``, ten times less often outside the first
+group ranks: :func:`flexrun.rendezvous.follow.claim_check_interval`), the holder's keep-alive (on that
+periodic check, or when the holder changed), claiming by
 compare-and-set when :func:`flexrun.rendezvous.follow.should_claim` says so, and handing
 the role over on a graceful leave.
 """
@@ -14,8 +16,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from flexrun.errors import RendezvousError
-from flexrun.rendezvous.follow import should_claim
-from flexrun.rendezvous.state import Claim, RoundRecord
+from flexrun.rendezvous.follow import claim_check_interval, should_claim
+from flexrun.rendezvous.state import RUNNING, Claim, RoundRecord
 
 if TYPE_CHECKING:
     from flexrun.rendezvous.handler import RendezvousHandler
@@ -32,26 +34,46 @@ class Claims:
         self.rev = 0
         self.watching = False
         self.was_watcher = False
-        self._next = 0.0
+        self._last = float("-inf")  # when the claim was last read on the periodic check
         self._seen_at = -1  # header revision when the claim was last read
+        self._seen_number = -1  # and that header's round number
         self._vacant_since: float | None = None
 
     def interval(self) -> float:
+        """The periodic check's interval for this node now (its rank in the running round
+        decides: :func:`claim_check_interval`)."""
         s = self.h.settings
-        return max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2)
+        r = self.h.round
+        mine = r.mine if r is not None and r.state == RUNNING else None
+        rank = mine.group_rank if mine is not None and mine.member else None
+        return claim_check_interval(max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2), rank)
+
+    def held_elsewhere(self) -> bool:
+        """Another node holds the watcher claim (as last read)."""
+        c = self.claim
+        return c is not None and c.node not in ("", self.h.me.node_id)
 
     def due(self, now: float) -> bool:
-        return now >= self._next
+        # From the last check, at the interval of the node's current rank: a node that
+        # just became a deputy is due at once if its last check is older than that.
+        return now >= self._last + self.interval()
 
     def update(self, hdr: RoundRecord | None, hdr_rev: int, now: float) -> None:
         """Read the claim when due (always as the watcher; after the header changed: a new
         watcher proposes, a leaving one touches the header), judge the holder's keep-alive,
         and claim the role when :func:`should_claim` says so."""
         h = self.h
-        changed, self._seen_at = hdr_rev != self._seen_at, hdr_rev
-        if not (self.watching or self.claim is None or hdr is None or changed or self.due(now)):
+        number = hdr.number if hdr is not None else -1
+        # A header rewritten within one round (a touch by a leaving watcher, a failure
+        # report, closing) may mean a vacated claim; a new round was proposed by a live
+        # watcher, so its publication costs the followers no claim read.
+        touched = hdr_rev != self._seen_at and number == self._seen_number
+        self._seen_at, self._seen_number = hdr_rev, number
+        periodic = self.due(now)
+        if not (self.watching or self.claim is None or hdr is None or touched or periodic):
             return
-        self._next = now + self.interval()
+        if periodic:
+            self._last = now
         entry = h.store.get(h.keys.watcher)
         claim: Claim | None = None
         if entry is not None:
@@ -61,7 +83,16 @@ class Claims:
                 h.rejected(h.keys.watcher, f"corrupt: {exc}"[:200])
         rev = entry.revision if entry is not None else 0
         alive: bool | None = None
-        if claim is not None and claim.node and claim.node != h.me.node_id:
+        holder = self.claim.node if self.claim is not None else None
+        if (
+            claim is not None
+            and claim.node
+            and claim.node != h.me.node_id
+            and (periodic or claim.node != holder)
+        ):
+            # The holder's keep-alive: on the periodic check (what bounds the fallback),
+            # or when the holder is new to this node; not at every header change (a
+            # round's publication would cost every follower a second read).
             alive = h.store.get(h.keys.heartbeat(claim.node)) is not None
         if claim is None:
             self._vacant_since = now if self._vacant_since is None else self._vacant_since
@@ -85,7 +116,7 @@ class Claims:
                 log.info("this node watches membership now (term %d)", new.term)
             else:
                 claim = None
-                self._next = now  # lost the race: read who won next time
+                self._last = float("-inf")  # lost the race: read who won next time
         was = self.watching
         self.claim, self.rev = claim, rev
         self.watching = claim is not None and claim.node == h.me.node_id

@@ -17,6 +17,7 @@ from flexrun.rendezvous.records import ask_for_slice, read_slice
 from flexrun.rendezvous.state import RUNNING, RoundRecord, Slice, with_loader
 
 if TYPE_CHECKING:
+    from flexrun.rendezvous.claims import Claims
     from flexrun.rendezvous.handler import RendezvousHandler
 
 SLICES_KEPT = 4
@@ -35,10 +36,17 @@ class Follower:
         self.slices: dict[str, Slice] = {}
         self._asked = ""
 
-    def settled(self) -> bool:
-        """Nothing but a change of the round can change this node's decision now."""
-        r = self.h.round
-        return r is not None and (r.state != RUNNING or member(r) is not None)
+    def settled(self, claims: Claims) -> bool:
+        """Nothing but a change of what it watches can change this node's decision now:
+        its round is settled, or no round exists yet while another node holds the watcher
+        claim (the holder's keep-alive is checked when :meth:`Claims.due`). Not so once
+        rounds were seen (``floor``): a missing header then means the store lost it, and
+        restoring it needs a read."""
+        h = self.h
+        r = h.round
+        if r is None:
+            return h.floor == 0 and claims.held_elsewhere()
+        return r.state != RUNNING or member(r) is not None
 
     def again(self, running: int | None) -> Action:
         """The decision from what was read last (nothing changed since)."""

@@ -31,6 +31,7 @@ from flexrun.rendezvous.claims import Claims
 from flexrun.rendezvous.decide import Action, Run, Wait, counted_failure, failure_round
 from flexrun.rendezvous.follower import Follower
 from flexrun.rendezvous.keepalive import KeepAlive
+from flexrun.rendezvous.records import get_at
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
@@ -43,7 +44,7 @@ from flexrun.rendezvous.state import (
     RoundRecord,
 )
 from flexrun.rendezvous.watcher import Watcher
-from flexrun.store.api import Store
+from flexrun.store.api import Entry, Store
 from flexrun.store.signed import is_signed, report_to
 
 log = logging.getLogger("flexrun.rendezvous")
@@ -161,7 +162,9 @@ class RendezvousHandler:
     def read_header(self) -> tuple[RoundRecord | None, int]:
         """The current header and its revision. An older header than this node has seen
         (a replay) is rejected: the newest seen stands in for it (``replayed`` is set)."""
-        entry = self.store.get(self.keys.round)
+        return self._header_of(self.store.get(self.keys.round))
+
+    def _header_of(self, entry: Entry | None) -> tuple[RoundRecord | None, int]:
         self.replayed = False
         if entry is None:
             return None, 0
@@ -208,16 +211,15 @@ class RendezvousHandler:
 
         Returns the decided action; a performed proposal returns ``Wait`` so the caller
         reads again (whether or not it won). A follower whose last :meth:`wait` saw no
-        change decides from what it read before, without a request (an agent steps every
-        monitor interval: 0.1 s).
+        change decides from what it read before, without a request.
         """
         now = self.clock.monotonic()
         quiet, self._quiet = self._quiet, False
-        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled():
+        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled(self._claims):
             return self._checked(self._follower.again(running), running, now)
-        self._since_rev = self.store.revision()
+        entry, self._since_rev = get_at(self.store, self.keys.round)
         read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
-        hdr, rev = self.read_header()
+        hdr, rev = self._header_of(entry)
         now = self.clock.monotonic()
         self._claims.update(hdr, rev, now)
         if self.watching:

@@ -6,13 +6,15 @@ logged once and retried) and the reasoning behind :func:`keepalive_defaults` (de
 it does not set them. It does not judge anyone's keep-alive (the watcher does,
 :mod:`flexrun.rendezvous.watcher`).
 
-Defaults. N nodes refresh N / interval keep-alives per second. The store's budget for them
-is :data:`BEATS_PER_S` = 2000/s: the tcp store spends about 4 requests on one (0.1 ms of
-its server's CPU at 1024 nodes measured), etcd one lease keep-alive (answered by its
-leader without a raft write; the value is re-written at most every TTL/2). So the interval
-is max(1 s, N / 2000 s) and the timeout five intervals: 1 s / 5 s up to 2000 nodes, 2.05 s /
-10.2 s at 4096, 5 s / 25 s at 10,000 (loss detection then takes the timeout plus one of the
-watcher's steps).
+Defaults. N nodes refresh N / interval keep-alives per second. The tcp store's budget for
+them is :data:`BEATS_PER_S` = 2000/s (about 4 requests each, 0.1 ms of its server's CPU at
+1024 nodes measured): interval max(1 s, N / 2000 s), timeout five intervals (readers judge
+the age themselves and must see renewals). etcd's is ``ETCD_KEEPALIVES_PER_S`` = 500/s: one
+lease keep-alive each (the value re-written every TTL), but every request through etcd's
+JSON gateway costs its server 0.3-0.6 ms of CPU (RUN 5 of bench/results/rdzv_scale.txt), and
+the server expires the lease itself, so a renewal every TTL/3 suffices (etcd's own client's
+rule): timeout max(5, 3N / 500) s in whole seconds, interval a third of it. Loss detection
+takes the timeout plus one of the watcher's steps.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from flexrun.rendezvous.state import (
     slices_of,
     with_loader,
 )
-from flexrun.store.api import Store
+from flexrun.store.api import Entry, Store
 
 
 def write_members(store: Store, keys: Keys, members: Sequence[Member]) -> str:
@@ -42,6 +42,18 @@ def write_members(store: Store, keys: Keys, members: Sequence[Member]) -> str:
     items.update({keys.slice(digest, s.node_id): s.encode() for s in slices_of(members)})
     store.put_many(items)
     return digest
+
+
+def get_at(store: Store, key: str) -> tuple[Entry | None, int]:
+    """``key``'s entry and a store revision read before or with it, to watch from: one
+    request where the store has ``get_at`` (etcd: a read reports the revision it saw),
+    else :meth:`Store.revision` then :meth:`Store.get`."""
+    fn = getattr(store, "get_at", None)
+    if fn is not None:
+        entry, rev = fn(key)
+        return entry, int(rev)
+    rev = store.revision()
+    return store.get(key), rev
 
 
 def read_slice(store: Store, keys: Keys, digest: str, node_id: str) -> Slice | None:
@@ -75,6 +87,7 @@ def asked_digest(raw: bytes) -> str:
 __all__ = [
     "ask_for_slice",
     "asked_digest",
+    "get_at",
     "read_members",
     "read_round",
     "read_slice",

@@ -15,6 +15,10 @@ returns ``(False, None)``: the caller learns that it lost, never the winner's va
 transfers nothing; the tcp server's own compare-and-set answers with the current value, so
 callers keep compare-and-set values small). A repeated ``get_prefix`` of the same prefix
 transfers only what changed since the previous one (both backends keep a snapshot).
+
+Optional: a store whose reads report the store revision they saw (etcd) also has
+``get_at(key) -> (Entry | None, revision)``, one request that stands for :meth:`revision`
+then :meth:`get`; callers look it up with ``getattr`` and fall back to those two.
 """
 
 from __future__ import annotations

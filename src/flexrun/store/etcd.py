@@ -9,8 +9,8 @@ to leases, and waiting for change is a watch. It does not run etcd (see
 
 Transport. etcd's JSON gateway (``/v3/...`` over HTTP/1.1) through
 :mod:`flexrun.store.etcd_http` (standard library only). The gateway is unidirectional,
-so a watch is one bounded streaming request per :meth:`EtcdStore.wait_for_change` (read
-timeout = the time left), never polling.
+so a watch is a streaming request, never polling; one a thread's wait left open after an
+event serves its next wait on the same prefix (:mod:`flexrun.store.etcd_watch`).
 
 Endpoints. ``--rdzv-endpoint a:2379,b:2379,c:2379``: requests go to the endpoint that
 last answered; on a refused connection, an unavailable member (no leader) or a timeout
@@ -23,7 +23,8 @@ Keep-alive keys. Each key written with ``ttl_s`` gets its own lease (TTL rounded
 whole seconds, as etcd requires). Writing the same value again with the same TTL is a
 lease keep-alive only (one small request that etcd's leader answers without a raft write,
 and no watch event: keep-alives wake nobody); the value itself is written again at most
-every ``ttl_s``, so a key deleted or overwritten by someone else comes back. A dead node's
+every ``ttl_s`` (after the keep-alive: a put does not renew its lease), so a key deleted
+or overwritten by someone else comes back. A dead node's
 keys vanish when etcd expires its lease (whole seconds, at least etcd's minimum TTL,
 checked every 500 ms): readers take a present key as alive. Keys under ``__flexrun/``
 are never returned by :meth:`EtcdStore.get_prefix`.
@@ -60,7 +61,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError, StoreError
 from flexrun.store.api import Entry
-from flexrun.store.etcd_http import Cluster, Transport, Unreachable, tls_context
+from flexrun.store.etcd_http import Cluster, Transport, tls_context
+from flexrun.store.etcd_watch import Watches
 
 if TYPE_CHECKING:  # the store layer takes settings from above but never imports config at run time
     from flexrun.config import StoreSettings
@@ -189,6 +191,7 @@ class EtcdStore:
         # prefix -> (revision, key (base64) -> kv): the last get_prefix, brought up to date
         # by the next one with only the keys modified since
         self._snapshots: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
+        self._watches = Watches(clock, lambda: self._cluster.request_timeout_s)
         self._cluster.connect(connect_timeout_s)
 
     @classmethod
@@ -232,17 +235,20 @@ class EtcdStore:
         return lease
 
     def _refresh(self, key: str, value: bytes, ttl_s: float) -> int | None:
-        """Keep ``key``'s lease alive when nothing else needs writing; its revision, or
-        None when the key must be written (new, changed, due, or its lease expired)."""
+        """Renew ``key``'s lease; its revision, or None when the key must be written too
+        (new, changed, due, or expired). The repeat that rewrites renews too: a put does
+        not renew its lease (one that skipped it lost its key when late by TTL - 2 beats)."""
         with self._lock:
             held = self._leases.get(key)
         if held is None or held[1] != ttl_s or held[2] != value:
             return None
-        if self._clock.monotonic() - held[4] >= ttl_s:
-            return None  # written again every ttl_s: a deleted or overwritten key comes back
         result = self._call("/lease/keepalive", {"ID": held[0]})
         if int(result.get("result", {}).get("TTL", 0)) <= 0:
-            return None  # expired (the store was down longer than the TTL): a new lease
+            with self._lock:  # expired (the store was down longer than the TTL): a new lease
+                self._leases.pop(key, None)
+            return None
+        if self._clock.monotonic() - held[4] >= ttl_s:
+            return None  # written again every ttl_s: a deleted or overwritten key comes back
         return held[3]
 
     def _forget_lease(self, key: str) -> None:
@@ -254,8 +260,12 @@ class EtcdStore:
 
     # -- protocol ---------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
-        _, kvs = self._range(key)
-        return self._entry(kvs[0])[1] if kvs else None
+        return self.get_at(key)[0]
+
+    def get_at(self, key: str) -> tuple[Entry | None, int]:
+        """:meth:`get` and the revision the read saw, in one request (see the api)."""
+        rev, kvs = self._range(key)
+        return (self._entry(kvs[0])[1] if kvs else None), rev
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         """Every key under ``prefix``. A repeated call asks etcd only for the keys
@@ -347,12 +357,7 @@ class EtcdStore:
         compare = (
             {"key": bkey, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
             if expected_revision == 0
-            else {
-                "key": bkey,
-                "result": "EQUAL",
-                "target": "MOD",
-                "mod_revision": expected_revision,
-            }
+            else {"key": bkey, "result": "EQUAL", "target": "MOD", "mod_revision": expected_revision}
         )
         # No failure branch: a loser learns that it lost, not the winner's value.
         txn = {"compare": [compare], "success": [{"request_put": {"key": bkey, "value": bvalue}}]}
@@ -404,29 +409,9 @@ class EtcdStore:
         }
         if timeout_s <= 0:
             return False, since_revision
-        return self._retry(lambda t, attempt_s: self._watch(t, request, deadline, since_revision))
-
-    def _watch(
-        self, t: Transport, request: Mapping[str, Any], deadline: float, since_revision: int
-    ) -> tuple[bool, int]:
-        remaining = max(0.01, deadline - self._clock.monotonic())
-        connect_s = min(remaining, self._cluster.request_timeout_s)
-        for message in t.stream("/watch", request, connect_s, remaining):
-            if "error" in message:
-                raise Unreachable(str(message["error"]))
-            result = message.get("result", {})
-            if result.get("events"):
-                return True, max(_rev(result), since_revision)
-            if result.get("canceled"):
-                if int(result.get("compact_revision", 0)):
-                    # History before since_revision is compacted: report a change.
-                    return True, max(_rev(result), since_revision)
-                raise Unreachable(str(result.get("cancel_reason", "watch canceled")))
-            if self._clock.monotonic() >= deadline:
-                return False, since_revision
-        if self._clock.monotonic() >= deadline - 0.01:
-            return False, since_revision  # the read timed out: the wait is over
-        raise Unreachable("watch ended early")
+        return self._retry(
+            lambda t, attempt_s: self._watches.watch(t, request, deadline, since_revision)
+        )
 
     def close(self) -> None:
         self._cluster.close()

@@ -264,6 +264,17 @@ class SignedStore:
     def get(self, key: str) -> Entry | None:
         return self._judge(key, self.inner.get(key))
 
+    def get_at(self, key: str) -> tuple[Entry | None, int]:
+        """:meth:`get` and the store revision read before or with it (the inner store's
+        ``get_at`` where it has one: see :class:`flexrun.store.api.Store`)."""
+        inner = getattr(self.inner, "get_at", None)
+        if inner is not None:
+            raw, rev = inner(key)
+        else:
+            rev = self.inner.revision()
+            raw = self.inner.get(key)
+        return self._judge(key, raw), rev
+
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         raw = self.inner.get_prefix(prefix)
         with self._lock:

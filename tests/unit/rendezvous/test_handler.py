@@ -268,9 +268,12 @@ def test_two_proposers_racing_for_one_round_yield_exactly_one() -> None:
     # real takeover makes. a has not read the claim since.
     entry = store.get(b.keys.watcher)
     assert entry is not None
-    assert store.compare_and_set(
+    ok, won = store.compare_and_set(
         b.keys.watcher, Claim("b", 2).encode(), expected_revision=entry.revision
-    )[0]
+    )
+    assert ok and won is not None
+    # b knows it won (its Claims made that compare-and-set in a real takeover)
+    b._claims.claim, b._claims.rev, b._claims.watching = Claim("b", 2), won.revision, True
     a_hdr, a_rev = a.read_header()
     b_hdr, b_rev = b.read_header()
     assert a_rev == b_rev and a_hdr is not None
@@ -288,7 +291,7 @@ def test_two_proposers_racing_for_one_round_yield_exactly_one() -> None:
     # The loser's list (with c) is gone; the winner's is there.
     assert store.get_prefix(Keys("job").members_of(pa.record.digest)) == {}
     assert store.get_prefix(Keys("job").members_of(r.digest)) != {}
-    a.step(1)  # a reads the claim (the header changed) and follows
+    a.step(1)  # a, the watcher, reads the claim every step: it follows
     assert not a.watching
     b.step(1)
     assert b.watching
@@ -657,6 +660,98 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
     assert isinstance(act, Run) and act.round.number == 2
     for h in (a, b, c):
         h.leave()
+
+
+class Requests:
+    """A store that counts every request made through it."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.count = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name in ("wait_for_change",) or not callable(attr):
+            return attr
+
+        def counted(*args: object, **kw: object) -> object:
+            self.count += 1
+            return attr(*args, **kw)
+
+        return counted
+
+
+@pytest.mark.timeout(30)
+def test_a_follower_waiting_for_the_first_round_makes_no_request_on_a_quiet_tick() -> None:
+    import threading
+    import time
+
+    from flexrun._clock import SYSTEM_CLOCK
+
+    store = MemoryStore()
+    s = RendezvousSettings(
+        min_nodes=3, max_nodes=3, last_call_s=0, heartbeat_interval_s=10, heartbeat_timeout_s=60
+    )
+
+    def handler(node: str, st: object) -> RendezvousHandler:
+        h = RendezvousHandler(
+            st,  # type: ignore[arg-type]
+            run_id="job",
+            me=NodeRecord(node, "h", 1),
+            settings=s,
+            events=EventLog(None, run_id="job", node=node),
+            clock=SYSTEM_CLOCK,
+        )
+        h._beat()
+        store.put(h.keys.node(node), h.me.encode())
+        return h
+
+    a = handler("a", store)
+    spy = Requests(store)
+    b = handler("b", spy)
+    assert a.step(None) == Wait("waiting for nodes: 2 of min 3") or not a.round
+    assert a.watching
+    assert isinstance(b.step(None), Wait) and not b.watching
+    b.wait(0.05)
+    b.step(None)  # reads once more after its own arm; from here on nothing changes
+    before = spy.count
+    for _ in range(10):  # an agent's loop before the first round: wait a tick, step
+        assert not b.wait(0.02)
+        assert b.step(None) == Wait("waiting for the first round")
+    assert spy.count == before, spy.count - before
+    c = handler("c", store)
+    threading.Timer(0.1, lambda: a.step(None)).start()  # the watcher proposes [a, b, c]
+    t0 = time.monotonic()
+    while not b.wait(0.05):
+        assert time.monotonic() - t0 < 5
+    assert isinstance(b.step(None), Run)
+    for h in (a, b, c):
+        h.leave()
+
+
+def test_a_new_round_costs_a_follower_the_header_and_its_slice_but_a_touch_reads_the_claim() -> (
+    None
+):
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    s = RendezvousSettings(
+        min_nodes=2, max_nodes=3, last_call_s=0, heartbeat_interval_s=10, heartbeat_timeout_s=60
+    )
+    a = _handler(store, "a", clock, s)
+    spy = Reads(store)
+    b = _handler(spy, "b", clock, s)  # type: ignore[arg-type]
+    a.step(None)
+    assert isinstance(_settle(b, None), Run) and isinstance(_settle(a, None), Run)
+    _handler(store, "c", clock, s)
+    assert isinstance(a.step(1), Wait)  # a proposes [a, b, c]
+    spy.keys.clear()
+    act = b.step(1)
+    assert isinstance(act, Run) and act.round.number == 2
+    assert _reads_of(spy.keys, b.keys) == {"header", "own slice"}
+    a._claims.hand_over()  # a leaves gracefully: the claim is vacated, the header touched
+    spy.keys.clear()
+    b.step(2)
+    assert "claim" in _reads_of(spy.keys, b.keys) and b.watching
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,165 @@
+"""Watches of the etcd backend: one streaming request kept open across waits.
+
+Owns :class:`Watches`, what :meth:`flexrun.store.etcd.EtcdStore.wait_for_change` does on
+etcd's JSON gateway. A watch stream delivers every event after its start revision, in
+order, for as long as it stays open; so a thread whose wait ended with an event and that
+waits again on the same prefix from a later revision reads on from the same stream
+(skipping events up to that revision) instead of opening a new one. Opening a watch costs
+etcd's server ~2 ms of CPU, three times a range read (RUN 5 of
+bench/results/rdzv_scale.txt), and every follower re-arms its watch after each round: at
+1024 nodes a new round cost ~2 s of etcd CPU in new watches alone. A wait that times out
+closes its stream (http.client cannot resume a read that timed out): an idle node opens
+one watch per wait, as before. It knows nothing about rounds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flexrun._clock import Clock
+from flexrun.store.etcd_http import Transport, Unreachable, error_text
+
+
+class Stream:
+    """One streaming answer on a connection of its own, read a message at a time, each
+    read with its own timeout."""
+
+    def __init__(self, t: Transport, path: str, payload: Mapping[str, Any], connect_s: float) -> None:
+        self._t = t
+        self._conn = t._new(connect_s)
+        self.closed = False
+        try:
+            try:
+                self._resp = t._send(self._conn, path, payload, connect_s, t.token)
+            except (OSError, http.client.HTTPException) as exc:
+                raise Unreachable(str(exc) or type(exc).__name__) from exc
+            if self._resp.status != 200:
+                data = self._resp.read()
+                raise Unreachable(error_text(data) or f"HTTP {self._resp.status}")
+        except BaseException:
+            self.close()
+            raise
+
+    def next(self, read_s: float) -> dict[str, Any] | None:
+        """The next message; None if none came within ``read_s`` (the stream is closed).
+
+        Raises:
+            Unreachable: the stream broke or ended.
+        """
+        sock = self._conn.sock
+        if sock is not None:
+            sock.settimeout(max(0.01, read_s))
+        while True:
+            try:
+                line = self._resp.readline()
+            except TimeoutError:
+                self.close()
+                return None
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                raise Unreachable(str(exc) or type(exc).__name__) from exc
+            if not line:
+                self.close()
+                raise Unreachable("watch stream ended")
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError as exc:
+                self.close()
+                raise Unreachable(f"bad watch message {line[:80]!r}") from exc
+            if isinstance(message, dict):
+                return message
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._t._drop(self._conn)
+
+
+@dataclass(slots=True)
+class _Open:
+    key: tuple[str, str]  # (key, range_end) as sent
+    base: int  # the stream delivers every event above this revision
+    t: Transport
+    stream: Stream
+    seen: int = 0  # the newest event revision it delivered
+
+
+class Watches:
+    """Per thread, the watch stream its last wait left open (see the module docstring)."""
+
+    def __init__(self, clock: Clock, request_timeout_s: Callable[[], float]) -> None:
+        self._clock = clock
+        self._request_timeout_s = request_timeout_s
+        self._local = threading.local()
+
+    def watch(
+        self, t: Transport, request: Mapping[str, Any], deadline: float, since_revision: int
+    ) -> tuple[bool, int]:
+        """Whether anything under the request's range changed after ``since_revision``
+        before ``deadline``, and the revision to wait from next.
+
+        Raises:
+            Unreachable: the stream broke (the caller retries on a new one).
+        """
+        create = request["create_request"]
+        key = (create["key"], create["range_end"])
+        held: _Open | None = getattr(self._local, "open", None)
+        if held is not None and (
+            held.stream.closed or held.key != key or held.t is not t or since_revision < held.base
+        ):
+            held.stream.close()
+            held = None
+        if held is None:
+            remaining = max(0.01, deadline - self._clock.monotonic())
+            stream = Stream(t, "/watch", request, min(remaining, self._request_timeout_s()))
+            held = _Open(key, since_revision, t, stream)
+        elif since_revision < held.seen:
+            return True, held.seen  # the stream already delivered a change after it
+        self._local.open = held
+        try:
+            return self._read(held, deadline, since_revision)
+        except Unreachable:
+            held.stream.close()
+            raise
+
+    def _read(self, held: _Open, deadline: float, since_revision: int) -> tuple[bool, int]:
+        stream = held.stream
+        while True:
+            remaining = deadline - self._clock.monotonic()
+            if remaining <= 0:
+                return False, since_revision  # (the stream stays open for the next wait)
+            message = stream.next(remaining)
+            if message is None:
+                return False, since_revision  # the read timed out: the wait is over
+            if "error" in message:
+                raise Unreachable(str(message["error"]))
+            result = message.get("result", {})
+            events = result.get("events")
+            if events:
+                newest = max(int(e.get("kv", {}).get("mod_revision", 0)) for e in events)
+                held.seen = max(held.seen, newest)
+                if newest > since_revision:
+                    return True, max(int(result.get("header", {}).get("revision", 0)), since_revision)
+                continue  # already read by the caller (the stream started earlier)
+            if result.get("canceled"):
+                if int(result.get("compact_revision", 0)):
+                    # History before since_revision is compacted: report a change.
+                    stream.close()
+                    return True, max(int(result.get("header", {}).get("revision", 0)), since_revision)
+                raise Unreachable(str(result.get("cancel_reason", "watch canceled")))
+
+    def close(self) -> None:
+        held: _Open | None = getattr(self._local, "open", None)
+        if held is not None:
+            held.stream.close()
+
+
+__all__ = ["Stream", "Watches"]

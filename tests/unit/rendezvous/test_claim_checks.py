@@ -1,0 +1,119 @@
+"""How often followers check on the watcher: the first group ranks at the full rate, the
+rest ten times less often (:func:`flexrun.rendezvous.follow.claim_check_interval`)."""
+
+from __future__ import annotations
+
+from flexrun.config import RendezvousSettings
+from flexrun.events import EventLog
+from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run
+from flexrun.rendezvous.follow import DEPUTIES, SPARSE_CHECKS, claim_check_interval
+from flexrun.store.api import Entry
+from flexrun.store.memory import MemoryStore
+from flexrun.testing import FakeClock
+
+S7 = RendezvousSettings(
+    min_nodes=1, max_nodes=7, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3
+)
+BASE_S = 1.5  # max(heartbeat_interval, heartbeat_timeout / 2)
+
+
+class ClaimReads:
+    """A node's store, counting its reads of the watcher claim."""
+
+    def __init__(self, inner: MemoryStore, claim_key: str) -> None:
+        self.inner = inner
+        self.claim_key = claim_key
+        self.claim_reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def get(self, key: str) -> Entry | None:
+        self.claim_reads += key == self.claim_key
+        return self.inner.get(key)
+
+
+def _node(store: MemoryStore, node: str, clock: FakeClock) -> tuple[RendezvousHandler, ClaimReads]:
+    spy = ClaimReads(store, "flexrun/job/s/round/watcher")
+    h = RendezvousHandler(
+        spy,  # type: ignore[arg-type]
+        run_id="job",
+        me=NodeRecord(node, "127.0.0.1", 1),
+        settings=S7,
+        events=EventLog(None, run_id="job", node=node),
+        clock=clock,
+    )
+    h._beat()
+    store.put(h.keys.node(node), h.me.encode())
+    return h, spy
+
+
+def _formed(clock: FakeClock) -> tuple[list[RendezvousHandler], list[ClaimReads]]:
+    store = MemoryStore(clock)
+    nodes = [_node(store, n, clock) for n in "abcdefg"]
+    hs, spies = [h for h, _ in nodes], [s for _, s in nodes]
+    hs[0].step(None)  # a claims the watcher role and proposes [a..g]
+    for h in hs:
+        for _ in range(6):
+            if isinstance(h.step(None), Run):
+                break
+    assert hs[0].watching and all(h.round is not None for h in hs)
+    assert [h.round.group_rank(h.me.node_id) for h in hs] == list(range(7))  # type: ignore[union-attr]
+    return hs, spies
+
+
+def test_the_first_group_ranks_check_the_watcher_at_the_full_rate_the_others_ten_times_less() -> None:
+    assert claim_check_interval(BASE_S, None) == BASE_S  # no round, no slice, not a member
+    assert all(claim_check_interval(BASE_S, r) == BASE_S for r in range(DEPUTIES + 1))
+    assert claim_check_interval(BASE_S, DEPUTIES + 1) == BASE_S * SPARSE_CHECKS
+
+
+def test_a_running_round_costs_the_followers_outside_the_first_ranks_a_tenth_of_the_claim_reads() -> (
+    None
+):
+    clock = FakeClock()
+    hs, spies = _formed(clock)
+    for s in spies:
+        s.claim_reads = 0
+    for _ in range(int(SPARSE_CHECKS * BASE_S / 0.5)):  # one sparse interval of agent ticks
+        clock.advance(0.5)
+        for h in hs:
+            h._beat()
+            h.wait(0)
+            h.step(1)
+    deputies = [s.claim_reads for s in spies[1 : DEPUTIES + 1]]
+    rest = [s.claim_reads for s in spies[DEPUTIES + 1 :]]
+    assert min(deputies) >= SPARSE_CHECKS - 1, deputies
+    assert max(rest) <= 1, rest
+
+
+def test_a_killed_watcher_is_replaced_by_a_deputy_within_timeout_plus_two_checks() -> None:
+    clock = FakeClock()
+    hs, _ = _formed(clock)
+    for _ in range(int(SPARSE_CHECKS * BASE_S)):  # long past every node's first check
+        clock.advance(1.0)
+        for h in hs:
+            h._beat()
+            h.step(1)
+    # a (the watcher, rank 0) is SIGKILLed: no more beats or steps.
+    t_dead = clock.monotonic()
+    alive = hs[1:]
+    while not any(h.watching for h in alive):
+        assert clock.monotonic() - t_dead <= S7.heartbeat_timeout_s + 2 * BASE_S
+        clock.advance(0.5)
+        for h in alive:
+            h._beat()
+            h.step(1)
+    took_over = [h.me.node_id for h in alive if h.watching]
+    assert len(took_over) == 1 and took_over[0] in "bcd", took_over
+    new = next(h for h in alive if h.watching)
+    new.step(1)  # proposes the round without a
+    for h in alive:
+        h.wait(0)
+        act = h.step(1)
+        for _ in range(4):
+            if isinstance(act, Run):
+                break
+            act = h.step(1)
+        assert isinstance(act, Run) and act.round.number == 2
+        assert act.round.reason == "node_lost"
