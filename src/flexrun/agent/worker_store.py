@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from flexrun.config import BACKENDS_ETCD, RunConfig, StaticJob
-from flexrun.errors import StoreUnavailable
+from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.store.tcp import TcpStoreServer
 
@@ -104,7 +104,7 @@ class RoundStores:
     ) -> None:
         self._publish = publish
         self.node_id = node_id
-        self._v6 = ":" in addr
+        self._addr = addr
         self._server: TcpStoreServer | None = None
 
     def for_round(self, rnd: RoundRecord) -> MasterRecord | None:
@@ -126,12 +126,16 @@ class RoundStores:
         return master
 
     def _listen(self) -> TcpStoreServer:
-        """On every interface, as torch's own store: dual-stack where the host has IPv6."""
+        """On the address this node advertises (loopback for a one-host job: nothing
+        else can reach it); where that is not an address of this host (a name behind NAT),
+        on every interface, as torch's own store, dual-stack where the host has IPv6."""
+        try:
+            return TcpStoreServer(self._addr, 0)
+        except (StoreUnavailable, ConfigError) as exc:
+            log.info("the workers' store cannot bind %s (%s): every interface", self._addr, exc)
         try:
             return TcpStoreServer("::", 0)
         except StoreUnavailable:
-            if self._v6:
-                raise
             return TcpStoreServer("0.0.0.0", 0)
 
     def close(self) -> None:

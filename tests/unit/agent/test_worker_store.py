@@ -95,3 +95,25 @@ def test_a_master_published_first_by_another_wins_and_ours_is_dropped(tmp_path: 
         assert stores._server is None
     finally:
         stores.close()
+
+
+def _listening_on(port: int) -> set[str]:
+    import psutil
+
+    conns = psutil.Process().net_connections(kind="inet")
+    return {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_the_store_listens_on_the_advertised_address_only_where_it_can() -> None:
+    # a one-host job advertises loopback: nothing beyond this host can reach its store
+    local = RoundStores(Published(), node_id="a", addr="127.0.0.1")
+    # an address that is not this host's (TEST-NET-1, behind NAT, say): every interface
+    foreign = RoundStores(Published(), node_id="a", addr="192.0.2.1")
+    try:
+        mine = local.for_round(_round(1, "a"))
+        assert mine is not None and _listening_on(mine.port) == {"127.0.0.1"}
+        other = foreign.for_round(_round(1, "a"))
+        assert other is not None and _listening_on(other.port) & {"::", "0.0.0.0"}
+    finally:
+        local.close()
+        foreign.close()
