@@ -169,16 +169,8 @@ class Transport:
                     return
                 except (OSError, http.client.HTTPException) as exc:
                     raise Unreachable(_reason(exc)) from exc
-                if not line:
-                    raise Unreachable("watch stream ended")
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    message = json.loads(line)
-                except ValueError as exc:
-                    raise Unreachable(f"bad watch message {line[:80]!r}") from exc
-                if isinstance(message, dict):
+                message = watch_message(line)
+                if message is not None:
                     yield message
         finally:
             self._drop(conn)
@@ -339,6 +331,25 @@ class Cluster:
         self._closed = True
         for t in self.transports:
             t.close()
+
+
+def watch_message(line: bytes) -> dict[str, Any] | None:
+    """One line of a watch stream: its message, or None for a keep-alive blank line or a
+    non-object.
+
+    Raises:
+        Unreachable: the stream ended (an empty read) or the line is not JSON.
+    """
+    if not line:
+        raise Unreachable("watch stream ended")
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        message = json.loads(line)
+    except ValueError as exc:
+        raise Unreachable(f"bad watch message {line[:80]!r}") from exc
+    return message if isinstance(message, dict) else None
 
 
 def _reason(exc: BaseException) -> str:

@@ -15,21 +15,22 @@ one watch per wait, as before. It knows nothing about rounds.
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from flexrun._clock import Clock
-from flexrun.store.etcd_http import Transport, Unreachable, error_text
+from flexrun.store.etcd_http import Transport, Unreachable, error_text, watch_message
 
 
 class Stream:
     """One streaming answer on a connection of its own, read a message at a time, each
     read with its own timeout."""
 
-    def __init__(self, t: Transport, path: str, payload: Mapping[str, Any], connect_s: float) -> None:
+    def __init__(
+        self, t: Transport, path: str, payload: Mapping[str, Any], connect_s: float
+    ) -> None:
         self._t = t
         self._conn = t._new(connect_s)
         self.closed = False
@@ -63,18 +64,12 @@ class Stream:
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 raise Unreachable(str(exc) or type(exc).__name__) from exc
-            if not line:
-                self.close()
-                raise Unreachable("watch stream ended")
-            line = line.strip()
-            if not line:
-                continue
             try:
-                message = json.loads(line)
-            except ValueError as exc:
+                message = watch_message(line)
+            except Unreachable:
                 self.close()
-                raise Unreachable(f"bad watch message {line[:80]!r}") from exc
-            if isinstance(message, dict):
+                raise
+            if message is not None:
                 return message
 
     def close(self) -> None:
@@ -147,13 +142,17 @@ class Watches:
                 newest = max(int(e.get("kv", {}).get("mod_revision", 0)) for e in events)
                 held.seen = max(held.seen, newest)
                 if newest > since_revision:
-                    return True, max(int(result.get("header", {}).get("revision", 0)), since_revision)
+                    return True, max(
+                        int(result.get("header", {}).get("revision", 0)), since_revision
+                    )
                 continue  # already read by the caller (the stream started earlier)
             if result.get("canceled"):
                 if int(result.get("compact_revision", 0)):
                     # History before since_revision is compacted: report a change.
                     stream.close()
-                    return True, max(int(result.get("header", {}).get("revision", 0)), since_revision)
+                    return True, max(
+                        int(result.get("header", {}).get("revision", 0)), since_revision
+                    )
                 raise Unreachable(str(result.get("cancel_reason", "watch canceled")))
 
     def close(self) -> None:
