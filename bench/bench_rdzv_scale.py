@@ -254,6 +254,16 @@ def phase_cost(run: Run, before: str, after: str, agents: set[int]) -> dict[str,
                 if e is not None:
                     total += e[field][role] - (b[field][role] if b is not None else 0)
             out[f"{field}_{role}"] = total
+    ops: dict[str, list[float]] = {}
+    for a in agents:
+        b = run.snapshots.get(before, {}).get(a) or {}
+        e = run.snapshots.get(after, {}).get(a)
+        for op, (req, nbytes) in (e or {}).get("ops", {}).items():
+            r0, b0 = b.get("ops", {}).get(op, (0, 0))
+            c = ops.setdefault(op, [0, 0])
+            c[0] += req - r0
+            c[1] += nbytes - b0
+    out["ops"] = ops  # type: ignore[assignment]
     return out
 
 
@@ -350,6 +360,10 @@ def _row(backend: str, n: int, phase: str, t: float | None, run: Run, a: str, b:
         f"load {row['load']:.1f}" + (f" | setup {setup_s:.0f} s" if setup_s else ""),
         flush=True,
     )
+    ops = sorted(cost["ops"].items(), key=lambda kv: -kv[1][0])  # type: ignore[union-attr]
+    if ops:
+        print("      loop's requests/node (bytes/node) by Store method: " + ", ".join(
+            f"{op} {req / k:.1f} ({nbytes / k:.0f})" for op, (req, nbytes) in ops), flush=True)
     for e in run.errors[:3]:
         print(f"      error: {e}", flush=True)
     if run.retry_example:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 HB_THREAD = "flexrun-heartbeat"  # the handler's keep-alive thread name
+STORE_OPS = ("get", "get_prefix", "put", "compare_and_set", "delete", "wait_for_change", "revision")
+_op = threading.local()  # the flexrun Store method this thread is in (what a request serves)
 
 
 class Counter:
@@ -35,6 +37,7 @@ class Counter:
         self.req = {"rdzv": 0, "hb": 0}
         self.out = {"rdzv": 0, "hb": 0}
         self.inp = {"rdzv": 0, "hb": 0}
+        self.ops: dict[str, list[int]] = {}  # the loop's (rdzv) Store method -> [requests, bytes]
 
     def add(self, sent: int, received: int) -> None:
         role = "hb" if threading.current_thread().name in (HB_THREAD, "torch-hb") else "rdzv"
@@ -42,16 +45,40 @@ class Counter:
             self.req[role] += 1
             self.out[role] += sent
             self.inp[role] += received
+            if role == "rdzv":
+                c = self.ops.setdefault(getattr(_op, "name", "other"), [0, 0])
+                c[0] += 1
+                c[1] += sent + received
 
     def add_received(self, received: int) -> None:
         """Bytes that arrived on a stream already counted as a request (a watch read on)."""
         role = "hb" if threading.current_thread().name in (HB_THREAD, "torch-hb") else "rdzv"
         with self.lock:
             self.inp[role] += received
+            if role == "rdzv":
+                self.ops.setdefault(getattr(_op, "name", "other"), [0, 0])[1] += received
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
+    def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {"req": dict(self.req), "out": dict(self.out), "inp": dict(self.inp)}
+            return {"req": dict(self.req), "out": dict(self.out), "inp": dict(self.inp),
+                    "ops": {k: list(v) for k, v in self.ops.items()}}
+
+
+def name_ops(store: Any) -> None:
+    """Label the requests of each flexrun ``Store`` method of ``store`` (instance patch), so
+    that the counter can say which protocol operation they served."""
+    for name in STORE_OPS:
+        fn = getattr(store, name)
+
+        def labelled(*args: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
+            outer = getattr(_op, "name", None)
+            _op.name = outer or _name
+            try:
+                return _fn(*args, **kw)
+            finally:
+                _op.name = outer
+
+        setattr(store, name, labelled)
 
 
 def _size(x: Any) -> int:
@@ -215,6 +242,7 @@ class Agent:
 
             raw: Any = TcpStore(host, port, connect_timeout_s=120, op_timeout_s=120)
             count_tcp(raw, self.counter)
+            name_ops(raw)
         else:
             from flexrun.store.etcd import EtcdStore
 
@@ -227,6 +255,7 @@ class Agent:
                 )
             )
             count_etcd(raw, self.counter)
+            name_ops(raw)
         store: Any = raw
         if cfg.get("secret"):
             from flexrun.store.signed import SignedStore
@@ -253,6 +282,7 @@ class Agent:
         self.joined = False
         self.running: int | None = None
         self.pending: Any = None  # a round whose master address is not known yet
+        self.master_due = 0.0  # when to look for the pending round's address again
         self.next_tick = 0.0
         self.tries = 0
         self.seen = seen or Seen(report)
@@ -289,6 +319,8 @@ class Agent:
                     self.was_watching = self.h.watching
                     self.report("watching", self.aid, self.h.watching, time.monotonic())
                 if isinstance(action, Run) and action.round.number != self.running:
+                    if self.pending is None or self.pending.number != action.round.number:
+                        self.master_due = now  # a new round: look for its address at once
                     self.pending = action.round
                 elif isinstance(action, Stop):
                     self.running = None
@@ -296,11 +328,15 @@ class Agent:
                     self.report("error", self.aid, f"exit: {action.reason}")
                     self.dead.set()
                     return now + 3600
-            if self.pending is not None:
+            if self.pending is not None and (changed or now >= self.master_due):
+                # As a real agent's master_for: it looks when its change watch (the round
+                # directory, where the address is published) reports a change, and at
+                # least every keep-alive interval.
                 rnd = self.pending
+                self.master_due = now + self.cfg["hb_interval_s"]
                 if rnd.group_rank(self.node_id) == 0:
                     found = self.h.master_for(rnd, timeout_s=0) is not None
-                else:  # (a real agent blocks on the master key's directory instead)
+                else:
                     found = self.store.get(self.h.keys.master(rnd.number)) is not None
                 if found:
                     self.pending, self.running = None, rnd.number

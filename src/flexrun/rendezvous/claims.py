@@ -38,6 +38,7 @@ class Claims:
         self._seen_at = -1  # header revision when the claim was last read
         self._seen_number = -1  # and that header's round number
         self._vacant_since: float | None = None
+        self._unranked_checks = 0  # periodic checks since this node last had a rank
 
     def interval(self) -> float:
         """The periodic check's interval for this node now (its rank in the running round
@@ -46,7 +47,8 @@ class Claims:
         r = self.h.round
         mine = r.mine if r is not None and r.state == RUNNING else None
         rank = mine.group_rank if mine is not None and mine.member else None
-        return claim_check_interval(max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2), rank)
+        base = max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2)
+        return claim_check_interval(base, rank, self._unranked_checks)
 
     def held_elsewhere(self) -> bool:
         """Another node holds the watcher claim (as last read)."""
@@ -74,6 +76,9 @@ class Claims:
             return
         if periodic:
             self._last = now
+            r = h.round
+            ranked = r is not None and r.state == RUNNING and r.mine is not None and r.mine.member
+            self._unranked_checks = 0 if ranked else self._unranked_checks + 1
         entry = h.store.get(h.keys.watcher)
         claim: Claim | None = None
         if entry is not None:

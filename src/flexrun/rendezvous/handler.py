@@ -367,7 +367,6 @@ def _await_master(
     or ``timeout_s`` passed)."""
     deadline = h.clock.monotonic() + timeout_s
     while True:
-        rev = h.store.revision()
         entry = h.store.get(key)
         if entry is not None:
             return MasterRecord.decode(entry.value)
@@ -378,6 +377,10 @@ def _await_master(
         if not isinstance(action, Run) or action.round.number != number:
             return None
         remaining = deadline - h.clock.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or h.stopped:
             return None
-        h.store.wait_for_change(h.keys.master_dir, rev, min(remaining, 1.0))
+        # The address is published under the round directory, which this node's change
+        # watch follows from its last read: the publication (or a new header) wakes the
+        # wait, at no request; the keep-alive interval bounds it so that the step above
+        # still checks on the watcher when nothing changes.
+        h.wait(min(remaining, h.settings.heartbeat_interval_s))

@@ -14,7 +14,9 @@ class Keys:
         self.watcher = self.round_dir + "watcher"
         self.nodes = self.watched + "nodes/"
         self.asks = self.watched + "ask/"
-        self.master_dir = self.watched + "master/"
+        # Under the round directory that every node's change watch follows: a published
+        # address wakes the members waiting for it (no polling).
+        self.master_dir = self.round_dir + "master/"
         self.heartbeats = self.root + "hb/"
         self.data = self.root + "r/"
 

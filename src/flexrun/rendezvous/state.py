@@ -11,7 +11,8 @@ Layout under ``flexrun/<run_id>/``:
 - ``s/round/watcher``   who watches membership and proposes rounds (:class:`Claim`)
 - ``s/nodes/<node_id>`` a :class:`NodeRecord` per joined node (deleted on graceful leave)
 - ``s/ask/<node_id>``   a node that found no slice for the current round asks for it
-- ``s/master/<round>``  the rank-0 node's fresh ``MASTER_ADDR``/``MASTER_PORT``
+- ``s/round/master/<round>`` the rank-0 node's fresh ``MASTER_ADDR``/``MASTER_PORT`` (under
+  ``s/round/``: its publication wakes the members waiting for it)
 - ``hb/<node_id>``      the node's keep-alive (its NodeRecord, with a TTL)
 - ``r/<digest>/s/<node_id>`` the node's *slice* of the member list with that digest
   (:class:`Slice`: group rank, first global rank, node count, world size)

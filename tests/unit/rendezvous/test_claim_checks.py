@@ -6,7 +6,7 @@ from __future__ import annotations
 from flexrun.config import RendezvousSettings
 from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run
-from flexrun.rendezvous.follow import DEPUTIES, SPARSE_CHECKS, claim_check_interval
+from flexrun.rendezvous.follow import DEPUTIES, EARLY_CHECKS, SPARSE_CHECKS, claim_check_interval
 from flexrun.store.api import Entry
 from flexrun.store.memory import MemoryStore
 from flexrun.testing import FakeClock
@@ -64,6 +64,8 @@ def _formed(clock: FakeClock) -> tuple[list[RendezvousHandler], list[ClaimReads]
 
 def test_the_first_group_ranks_check_the_watcher_at_the_full_rate_the_others_ten_times_less() -> None:
     assert claim_check_interval(BASE_S, None) == BASE_S  # no round, no slice, not a member
+    assert claim_check_interval(BASE_S, None, EARLY_CHECKS - 1) == BASE_S
+    assert claim_check_interval(BASE_S, None, EARLY_CHECKS) == BASE_S * SPARSE_CHECKS
     assert all(claim_check_interval(BASE_S, r) == BASE_S for r in range(DEPUTIES + 1))
     assert claim_check_interval(BASE_S, DEPUTIES + 1) == BASE_S * SPARSE_CHECKS
 
@@ -117,3 +119,72 @@ def test_a_killed_watcher_is_replaced_by_a_deputy_within_timeout_plus_two_checks
             act = h.step(1)
         assert isinstance(act, Run) and act.round.number == 2
         assert act.round.reason == "node_lost"
+
+
+S_WAITING = RendezvousSettings(  # MIN 9 of the 7 nodes: no round forms
+    min_nodes=9, max_nodes=9, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3,
+    join_timeout_s=10_000,
+)
+
+
+def _waiting(clock: FakeClock) -> tuple[list[RendezvousHandler], list[ClaimReads]]:
+    store = MemoryStore(clock)
+    hs, spies = [], []
+    for node in "abcdefg":
+        spy = ClaimReads(store, "flexrun/job/s/round/watcher")
+        h = RendezvousHandler(
+            spy,  # type: ignore[arg-type]
+            run_id="job",
+            me=NodeRecord(node, "127.0.0.1", 1),
+            settings=S_WAITING,
+            events=EventLog(None, run_id="job", node=node),
+            clock=clock,
+        )
+        h._beat()
+        store.put(h.keys.node(node), h.me.encode())
+        hs.append(h)
+        spies.append(spy)
+    for h in hs:
+        h.step(None)
+    assert hs[0].watching and not any(h.watching for h in hs[1:])
+    return hs, spies
+
+
+def test_nodes_waiting_for_a_round_check_the_watcher_at_the_full_rate_only_at_first() -> None:
+    """A formation that takes long (thousands of nodes, or MIN not reached) costs a node
+    EARLY_CHECKS claim reads and then one per sparse interval, not one per BASE_S."""
+    clock = FakeClock()
+    hs, spies = _waiting(clock)
+    for s in spies:
+        s.claim_reads = 0
+    ticks = int(2 * SPARSE_CHECKS * BASE_S / 0.5)  # two sparse intervals of agent ticks
+    for _ in range(ticks):
+        clock.advance(0.5)
+        for h in hs:
+            h._beat()
+            h.wait(0)
+            h.step(None)
+    assert all(h.round is None or h.round.state != "running" for h in hs)
+    followers = [s.claim_reads for s in spies[1:]]
+    # full rate would be 2 x SPARSE_CHECKS (20) reads in this time
+    assert max(followers) <= EARLY_CHECKS + 3, followers
+    assert min(followers) >= EARLY_CHECKS, followers
+
+
+def test_a_watcher_killed_before_the_first_round_is_still_replaced() -> None:
+    clock = FakeClock()
+    hs, _ = _waiting(clock)
+    for _ in range(int(2 * SPARSE_CHECKS * BASE_S)):  # every follower checks sparsely now
+        clock.advance(1.0)
+        for h in hs:
+            h._beat()
+            h.step(None)
+    t_dead = clock.monotonic()  # a, the watcher, is SIGKILLed
+    alive = hs[1:]
+    while not any(h.watching for h in alive):
+        assert clock.monotonic() - t_dead <= S_WAITING.heartbeat_timeout_s + (SPARSE_CHECKS + 1) * BASE_S
+        clock.advance(0.5)
+        for h in alive:
+            h._beat()
+            h.step(None)
+    assert sum(h.watching for h in alive) == 1

@@ -3,6 +3,8 @@ keep-alive TTLs themselves) with a fake clock: one watcher proposes, the others 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable
 
 import pytest
@@ -422,6 +424,59 @@ def test_a_restored_round_brings_back_its_master_address() -> None:
     a.step(1)  # restores round 1
     assert isinstance(b.step(None), Run)
     assert b.master_for(act.round, timeout_s=0) == master
+
+
+class AllRequests:
+    """A store that counts the requests of one node, waits included (every thread of it:
+    the change watch's too)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        def counted(*args: object, **kw: object) -> object:
+            with self._lock:
+                self.count += 1
+            return attr(*args, **kw)
+
+        return counted
+
+
+@pytest.mark.timeout(60)
+def test_a_member_waiting_for_the_master_address_is_woken_by_its_publication() -> None:
+    """The address is published under the round directory that a member's change watch
+    follows, so waiting for it costs a member a few requests however long it waits (it
+    polled the store every second before: ~4 requests a second per node, the largest
+    time-bound cost of a slow round at thousands of nodes)."""
+    from flexrun._clock import SYSTEM_CLOCK
+
+    clock = SYSTEM_CLOCK  # (real time: a store wait is bounded by the clock, as in an agent)
+    store = MemoryStore()
+    s = RendezvousSettings(min_nodes=2, max_nodes=2, last_call_s=0,
+                           heartbeat_interval_s=10, heartbeat_timeout_s=30)
+    spy = AllRequests(store)
+    a, b = _handler(store, "a", clock, s), _handler(spy, "b", clock, s)  # type: ignore[arg-type]
+    a.step(None)
+    act = _settle(b, None)
+    assert act.round.group_rank("b") == 1
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(b.master_for(act.round, timeout_s=60)))
+    before = spy.count
+    waiter.start()
+    time.sleep(3.0)
+    assert not got and waiter.is_alive()
+    published = a.master_for(_settle(a, None).round, timeout_s=0)
+    waiter.join(timeout=20)
+    assert not waiter.is_alive() and got == [published]
+    assert spy.count - before <= 6, spy.count - before
+    b.leave()
+    a.leave()
 
 
 def test_a_follower_keeps_training_through_a_store_restart() -> None:

@@ -87,12 +87,12 @@ def test_a_huge_value_is_rejected_unread() -> None:
 
 def test_a_record_moved_to_another_key_does_not_verify() -> None:
     _, raw, signed, rejected = _pair()
-    signed.put("job/s/master/3", b'{"addr":"10.0.0.1","port":1}')
-    moved = raw.get("job/s/master/3")
+    signed.put("job/s/round/master/3", b'{"addr":"10.0.0.1","port":1}')
+    moved = raw.get("job/s/round/master/3")
     assert moved is not None
-    raw.put("job/s/master/7", moved.value)
-    assert signed.get("job/s/master/7") is None
-    assert rejected == [("job/s/master/7", "bad signature")]
+    raw.put("job/s/round/master/7", moved.value)
+    assert signed.get("job/s/round/master/7") is None
+    assert rejected == [("job/s/round/master/7", "bad signature")]
 
 
 def test_junk_over_a_record_keeps_the_last_verified_value_and_cannot_block_a_cas() -> None:
