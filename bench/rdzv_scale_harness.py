@@ -25,7 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 HB_THREAD = "flexrun-heartbeat"  # the handler's keep-alive thread name
-STORE_OPS = ("get", "get_prefix", "put", "compare_and_set", "delete", "wait_for_change", "revision")
+STORE_OPS = ("get", "get_at", "get_prefix", "put", "put_many", "compare_and_set", "delete",
+             "delete_prefix", "wait_for_change", "revision")
+KEYED_OPS = ("get", "get_at", "put", "compare_and_set")  # labelled with the kind of key too
 _op = threading.local()  # the flexrun Store method this thread is in (what a request serves)
 
 
@@ -46,7 +48,7 @@ class Counter:
             self.out[role] += sent
             self.inp[role] += received
             if role == "rdzv":
-                c = self.ops.setdefault(getattr(_op, "name", "other"), [0, 0])
+                c = self.ops.setdefault(getattr(_op, "name", None) or "other", [0, 0])
                 c[0] += 1
                 c[1] += sent + received
 
@@ -56,7 +58,7 @@ class Counter:
         with self.lock:
             self.inp[role] += received
             if role == "rdzv":
-                self.ops.setdefault(getattr(_op, "name", "other"), [0, 0])[1] += received
+                self.ops.setdefault(getattr(_op, "name", None) or "other", [0, 0])[1] += received
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -64,15 +66,34 @@ class Counter:
                     "ops": {k: list(v) for k, v in self.ops.items()}}
 
 
+def key_kind(key: str) -> str:
+    """What a rendezvous key is (``flexrun/<run>/...``), for the request breakdown."""
+    rest = key.split("/", 2)[-1]
+    for prefix, kind in (("s/round/current", "header"), ("s/round/watcher", "claim"),
+                         ("s/round/master/", "master"), ("s/master/", "master"),
+                         ("s/nodes/", "node"), ("s/ask/", "ask"), ("hb/", "keep-alive")):
+        if rest.startswith(prefix):
+            return kind
+    if rest.startswith("r/"):
+        return "slice" if "/s/" in rest else "list"
+    return "other"
+
+
 def name_ops(store: Any) -> None:
     """Label the requests of each flexrun ``Store`` method of ``store`` (instance patch), so
-    that the counter can say which protocol operation they served."""
+    that the counter can say which protocol operation they served (and on which kind of
+    key: :func:`key_kind`)."""
     for name in STORE_OPS:
-        fn = getattr(store, name)
+        fn = getattr(store, name, None)
+        if fn is None:
+            continue
 
         def labelled(*args: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
             outer = getattr(_op, "name", None)
-            _op.name = outer or _name
+            label = _name
+            if _name in KEYED_OPS and args and isinstance(args[0], str):
+                label = f"{_name} {key_kind(args[0])}"
+            _op.name = outer or label
             try:
                 return _fn(*args, **kw)
             finally:

@@ -41,7 +41,11 @@ _CH_PREFIX = "__flexrun/ch/"
 EVENT_WINDOW = 8192  # event keys kept (writers delete ev/<rev - EVENT_WINDOW>)
 SCAN_LIMIT = 64  # a watch without a token further behind than this reports a change
 TOKENS = 64  # revisions whose ring counts are kept for a later wait_for_change
-WAIT_STEP_S = 5.0  # longest single server-side wait (bounds a ring lost by a dead writer)
+# Longest single server-side wait: it bounds how late a waiter learns of a write whose
+# writer died between logging it and ringing its channel. Each step costs a waiter two
+# requests (the ring count, the wait): at 5 s, 4096 idle agents cost the server ~1600
+# requests a second, nearly as many as their keep-alives (2000 at the default 2 s).
+WAIT_STEP_S = 30.0
 IN_FLIGHT_S = 1.0
 SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
 FULL_READ_S = 5.0  # a kept get_prefix is read in full again at least this often
