@@ -7,8 +7,8 @@ step; the round's master address once it has one) and nothing the protocol shoul
 shared clients, no shared waits (each handler keeps its own long store watch in a thread
 of its own, as in a real agent). What it shares is threads: two steppers per process tick
 the agents' loops (an agent's tick never blocks on the store here: the master address is
-polled where a real agent waits on its directory), and one scheduler writes every agent's
-keep-alive at its interval (the handler's keep-alive thread, multiplexed). With a thread
+polled where a real agent waits on its directory), and a few schedulers write every agent's
+keep-alive at its interval (the handler's keep-alive thread, multiplexed: 32 agents each). With a thread
 per loop and per keep-alive, 4096 agents on 2 cores spent their time handing 16 GILs
 around (load average 1300, no round in 240 s).
 """
@@ -333,6 +333,11 @@ class Agent:
                 self.joined = True
                 self.report("joined", self.aid, time.monotonic())
             changed = self.h.wait(0)  # the agent's wait, timed out (or woken) by now
+            # A member waiting for its round's address looks for it first when woken, as
+            # a real agent's master_for does (it reads the round again only if not found).
+            waiting = self.pending is not None and (changed or now >= self.master_due)
+            if waiting and self.look_for_master(now):
+                return now + self.cfg["wait_s"]
             if self.pending is None or changed:
                 action = self.h.step(self.running)
                 self.seen.header(self.aid, self.h._header)
@@ -349,20 +354,8 @@ class Agent:
                     self.report("error", self.aid, f"exit: {action.reason}")
                     self.dead.set()
                     return now + 3600
-            if self.pending is not None and (changed or now >= self.master_due):
-                # As a real agent's master_for: it looks when its change watch (the round
-                # directory, where the address is published) reports a change, and at
-                # least every keep-alive interval.
-                rnd = self.pending
-                self.master_due = now + self.cfg["hb_interval_s"]
-                if rnd.group_rank(self.node_id) == 0:
-                    found = self.h.master_for(rnd, timeout_s=0) is not None
-                else:
-                    found = self.store.get(self.h.keys.master(rnd.number)) is not None
-                if found:
-                    self.pending, self.running = None, rnd.number
-                    self.report("run", self.aid, rnd.number, time.monotonic(), self.h.watching,
-                                len(rnd.members), rnd.reason)
+            if self.pending is not None and now >= self.master_due:
+                self.look_for_master(now)
             self.tries = 0
             fast = self.h.watching or self.pending is not None
             return now + (self.cfg["wait_watcher_s"] if fast else self.cfg["wait_s"])
@@ -374,6 +367,22 @@ class Agent:
             self.report("error", self.aid, f"{type(exc).__name__}: {exc}"[:300])
             self.dead.set()
             return now + 3600
+
+    def look_for_master(self, now: float) -> bool:
+        """As a real agent's ``master_for``: rank 0 publishes the address, the others look
+        for it when their change watch (the round directory, where it is published)
+        reports a change, and at least every keep-alive interval. Whether it was found."""
+        rnd = self.pending
+        self.master_due = now + self.cfg["hb_interval_s"]
+        if rnd.group_rank(self.node_id) == 0:
+            found = self.h.master_for(rnd, timeout_s=0) is not None
+        else:
+            found = self.store.get(self.h.keys.master(rnd.number)) is not None
+        if found:
+            self.pending, self.running = None, rnd.number
+            self.report("run", self.aid, rnd.number, time.monotonic(), self.h.watching,
+                        len(rnd.members), rnd.reason)
+        return found
 
     def beat(self) -> None:
         if self.joined and not self.dead.is_set():
@@ -423,11 +432,16 @@ def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -
         kick.wait(max(0.001, min(1.0, heap[0][0] - time.monotonic() if heap else 1.0)))
 
 
+BEATERS_OF = 32  # agents per keep-alive scheduler thread
+
+
 class BeatGaps:
     """The longest time between two keep-alives of one agent of this process (what a TTL
-    must cover), and how many gaps passed the timeout, since the last snapshot."""
+    must cover), and how many gaps passed the timeout, since the last snapshot (the
+    process's keep-alive schedulers share one)."""
 
     def __init__(self, timeout_s: float) -> None:
+        self.lock = threading.Lock()
         self.timeout_s = timeout_s
         self.last: dict[int, float] = {}
         self.max_gap = 0.0
@@ -435,17 +449,23 @@ class BeatGaps:
         self.failed = 0
 
     def beat(self, aid: int, now: float) -> None:
-        prev = self.last.get(aid)
-        self.last[aid] = now
-        if prev is not None:
-            gap = now - prev
-            self.max_gap = max(self.max_gap, gap)
-            self.lapsed += gap > self.timeout_s
+        with self.lock:
+            prev = self.last.get(aid)
+            self.last[aid] = now
+            if prev is not None:
+                gap = now - prev
+                self.max_gap = max(self.max_gap, gap)
+                self.lapsed += gap > self.timeout_s
+
+    def fail(self) -> None:
+        with self.lock:
+            self.failed += 1
 
     def take(self) -> dict[str, float]:
-        out = {"max_gap": self.max_gap, "lapsed": self.lapsed, "failed": self.failed}
-        self.max_gap, self.lapsed, self.failed = 0.0, 0, 0
-        return out
+        with self.lock:
+            out = {"max_gap": self.max_gap, "lapsed": self.lapsed, "failed": self.failed}
+            self.max_gap, self.lapsed, self.failed = 0.0, 0, 0
+            return out
 
 
 def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event,
@@ -462,7 +482,7 @@ def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event,
                     gaps.beat(a.aid, time.monotonic())
             except StoreError:  # (retried at the next beat, as the handler's)
                 if gaps is not None:
-                    gaps.failed += 1
+                    gaps.fail()
             delay = t0 + interval_s * (k + 1) / len(agents) - time.monotonic()
             if delay > 0 and stop.wait(delay):
                 return
@@ -553,9 +573,16 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
         for k in range(STEPPERS):
             threads.append(threading.Thread(target=stepper, args=(mine[k::STEPPERS], kicks[k], stop),
                                             daemon=True, name=f"stepper-{k}"))
-        threads.append(threading.Thread(target=keepalives,
-                                        args=(mine, cfg["hb_interval_s"], stop, gaps),
-                                        daemon=True, name=HB_THREAD))
+        # Several keep-alive schedulers a process, each for up to BEATERS_OF agents: one
+        # for all 256 agents of a process at 4096 fell behind on a loaded machine (a beat's
+        # round trips waiting for the GIL: gaps of 25 s against a 10 s timeout), so the
+        # agents looked dead and the watcher role moved about: the harness's limit, not the
+        # protocol's (a real agent has a keep-alive thread of its own).
+        for k in range(0, len(mine), BEATERS_OF):
+            threads.append(threading.Thread(target=keepalives,
+                                            args=(mine[k:k + BEATERS_OF], cfg["hb_interval_s"],
+                                                  stop, gaps),
+                                            daemon=True, name=HB_THREAD))
         for t in threads:
             t.start()
     report("ready", len(agents))
