@@ -33,13 +33,15 @@ class ClaimReads:
         return self.inner.get(key)
 
 
-def _node(store: MemoryStore, node: str, clock: FakeClock) -> tuple[RendezvousHandler, ClaimReads]:
+def _node(
+    store: MemoryStore, node: str, clock: FakeClock, settings: RendezvousSettings = S7
+) -> tuple[RendezvousHandler, ClaimReads]:
     spy = ClaimReads(store, "flexrun/job/s/round/watcher")
     h = RendezvousHandler(
         spy,  # type: ignore[arg-type]
         run_id="job",
         me=NodeRecord(node, "127.0.0.1", 1),
-        settings=S7,
+        settings=settings,
         events=EventLog(None, run_id="job", node=node),
         clock=clock,
     )
@@ -129,21 +131,8 @@ S_WAITING = RendezvousSettings(  # MIN 9 of the 7 nodes: no round forms
 
 def _waiting(clock: FakeClock) -> tuple[list[RendezvousHandler], list[ClaimReads]]:
     store = MemoryStore(clock)
-    hs, spies = [], []
-    for node in "abcdefg":
-        spy = ClaimReads(store, "flexrun/job/s/round/watcher")
-        h = RendezvousHandler(
-            spy,  # type: ignore[arg-type]
-            run_id="job",
-            me=NodeRecord(node, "127.0.0.1", 1),
-            settings=S_WAITING,
-            events=EventLog(None, run_id="job", node=node),
-            clock=clock,
-        )
-        h._beat()
-        store.put(h.keys.node(node), h.me.encode())
-        hs.append(h)
-        spies.append(spy)
+    nodes = [_node(store, n, clock, S_WAITING) for n in "abcdefg"]
+    hs, spies = [h for h, _ in nodes], [s for _, s in nodes]
     for h in hs:
         h.step(None)
     assert hs[0].watching and not any(h.watching for h in hs[1:])
