@@ -749,17 +749,7 @@ def test_a_follower_waiting_for_the_first_round_makes_no_request_on_a_quiet_tick
     )
 
     def handler(node: str, st: object) -> RendezvousHandler:
-        h = RendezvousHandler(
-            st,  # type: ignore[arg-type]
-            run_id="job",
-            me=NodeRecord(node, "h", 1),
-            settings=s,
-            events=EventLog(None, run_id="job", node=node),
-            clock=SYSTEM_CLOCK,
-        )
-        h._beat()
-        store.put(h.keys.node(node), h.me.encode())
-        return h
+        return _handler(st, node, SYSTEM_CLOCK, s)  # type: ignore[arg-type]
 
     a = handler("a", store)
     spy = Requests(store)
