@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -102,7 +102,7 @@ def save_without_zip_crc(obj: Any, f: Any) -> None:
     guard = _RestoreOnFirstWrite(f, undo)
     try:
         ser_config.save.compute_crc32 = False
-        torch.save(obj, guard)  # type: ignore[arg-type]  # torch needs only write()
+        torch.save(obj, cast(Any, guard))  # (torch needs only write())
     finally:
         guard.restore()
 
