@@ -377,7 +377,7 @@ class Agent:
         if rnd.group_rank(self.node_id) == 0:
             found = self.h.master_for(rnd, timeout_s=0) is not None
         else:
-            found = self.store.get(self.h.keys.master(rnd.number)) is not None
+            found = self.h.published_master(rnd.number) is not None
         if found:
             self.pending, self.running = None, rnd.number
             self.report("run", self.aid, rnd.number, time.monotonic(), self.h.watching,

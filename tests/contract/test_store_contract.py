@@ -317,3 +317,81 @@ def test_successive_waits_on_one_prefix_see_exactly_the_writes_after_their_revis
     assert changed
     assert store.wait_for_change("seq/", r1 - 1, 5.0)[0]  # again from before a
     assert store.wait_for_change("seq/", r2, 5.0)[0]  # c and d are after b
+
+
+def _copying(store: Store) -> list[Store]:
+    """``store`` and its signed wrapper, where they have the api's optional value-carrying
+    watch (memory and etcd; not tcp, whose change log names keys only)."""
+    from flexrun.store.signed import SignedStore
+
+    out = [store, SignedStore(store, b"0123456789abcdef0123")]
+    return [s for s in out if callable(getattr(s, "watch_values", None))]
+
+
+def test_a_copy_kept_from_watch_values_equals_the_prefix_after_writes_deletes_and_a_keep_alive_expiry(
+    store: Store,
+) -> None:
+    """The optional ``get_prefix_at`` + ``watch_values`` (etcd; memory): a copy read once and
+    brought up to date from the events equals a fresh read of the prefix after puts,
+    overwrites, compare-and-sets, deletes and an expired keep-alive; writes elsewhere
+    deliver nothing; a wait with nothing new times out with no events."""
+    found = _copying(store)
+    if not found:
+        pytest.skip("this backend's watches carry no values (the api's optional methods)")
+    for i, s in enumerate(found):
+        p = f"cp{i}/"
+        s.put(p + "a", b"1")
+        copy, rev = s.get_prefix_at(p)  # type: ignore[attr-defined]
+        assert {k: e.value for k, e in copy.items()} == {p + "a": b"1"}
+        assert s.watch_values(p, rev, 0.3) == ([], rev)  # type: ignore[attr-defined]
+        s.put("elsewhere/x", b"0")
+        s.put(p + "b", b"2")
+        s.put(p + "a", b"3")
+        ok, _ = s.compare_and_set(p + "c", b"4", expected_revision=0)
+        assert ok
+        s.delete(p + "b")
+        s.put(p + "ttl", b"beat", ttl_s=1)
+        deadline = time.monotonic() + 10
+        saw_beat = False
+        while time.monotonic() < deadline:
+            events, new_rev = s.watch_values(p, rev, 1.0)  # type: ignore[attr-defined]
+            assert events is not None and new_rev >= rev
+            for key, entry in events:
+                assert key.startswith(p), key
+                if entry is None:
+                    copy.pop(key, None)
+                else:
+                    copy[key] = entry
+            rev = new_rev
+            saw_beat = saw_beat or p + "ttl" in copy
+            if saw_beat and p + "ttl" not in copy:
+                break  # the keep-alive came and expired
+        assert saw_beat
+        now = {k: e.value for k, e in s.get_prefix(p).items()}
+        assert {k: e.value for k, e in copy.items()} == now == {p + "a": b"3", p + "c": b"4"}
+
+
+def test_watch_values_hands_over_every_event_after_its_revision_in_order(store: Store) -> None:
+    """Successive waits from the revision each returned (the copy's loop): every write under
+    the prefix exactly once, in order, none at or before the revision asked from; one that
+    happens while nobody waits is delivered by the next wait."""
+    found = _copying(store)
+    if not found:
+        pytest.skip("this backend's watches carry no values (the api's optional methods)")
+    for i, s in enumerate(found):
+        p = f"ev{i}/"
+        _, rev = s.get_prefix_at(p)  # type: ignore[attr-defined]
+        threading.Timer(0.1, lambda s=s, p=p: [s.put(p + "k", str(n).encode()) for n in range(5)]).start()
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(seen) < 5 and time.monotonic() < deadline:
+            events, rev = s.watch_values(p, rev, 2.0)  # type: ignore[attr-defined]
+            assert events is not None
+            seen += [e.value for _, e in events if e is not None]
+        assert seen == [b"0", b"1", b"2", b"3", b"4"]
+        s.put(p + "late", b"x")  # while nobody waits
+        events, rev2 = s.watch_values(p, rev, 2.0)  # type: ignore[attr-defined]
+        assert events is not None and [(k, e.value if e else None) for k, e in events] == [
+            (p + "late", b"x")
+        ]
+        assert rev2 > rev

@@ -79,7 +79,7 @@ class Claims:
             r = h.round
             ranked = r is not None and r.state == RUNNING and r.mine is not None and r.mine.member
             self._unranked_checks = 0 if ranked else self._unranked_checks + 1
-        entry = h.store.get(h.keys.watcher)
+        entry = h.read_round_key(h.keys.watcher)
         claim: Claim | None = None
         if entry is not None:
             try:

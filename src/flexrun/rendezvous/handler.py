@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import threading
 from collections.abc import Callable
 
@@ -28,9 +27,10 @@ from flexrun.errors import RendezvousError, RendezvousTimeout, StoreError
 from flexrun.events import EventLog
 from flexrun.rendezvous.changewatch import ChangeWatch
 from flexrun.rendezvous.claims import Claims
-from flexrun.rendezvous.decide import Action, Run, Wait, counted_failure, failure_round
+from flexrun.rendezvous.decide import Action, Wait, counted_failure, failure_round
 from flexrun.rendezvous.follower import Follower
 from flexrun.rendezvous.keepalive import KeepAlive
+from flexrun.rendezvous.masters import Masters
 from flexrun.rendezvous.records import get_at
 from flexrun.rendezvous.state import (
     CLOSED,
@@ -48,14 +48,6 @@ from flexrun.store.api import Entry, Store
 from flexrun.store.signed import is_signed, report_to
 
 log = logging.getLogger("flexrun.rendezvous")
-
-
-def free_port(addr: str) -> int:
-    """A port the OS says is free on ``addr`` now (the caller's workers bind it next)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RendezvousHandler:
@@ -87,7 +79,7 @@ class RendezvousHandler:
         self.replayed = False
         self.settle_until = 0.0
         self._since_rev = 0
-        self._known_master: tuple[int, MasterRecord] | None = None
+        self._masters = Masters(self)
         self._claims = Claims(self)
         self._watcher = Watcher(self)
         self._follower = Follower(self)
@@ -198,12 +190,7 @@ class RendezvousHandler:
     def round_restored(self, rnd: RoundRecord) -> None:
         self.settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
         self.events.emit("round_restored", round=rnd.number)
-        known = rnd.number
-        if self._known_master is not None and self._known_master[0] == known:
-            # A member still waiting for the round's address would wait for ever.
-            self.store.compare_and_set(
-                self.keys.master(known), self._known_master[1].encode(), expected_revision=0
-            )
+        self._masters.restore(rnd.number)
 
     # -- deciding ------------------------------------------------------------------------
     def step(self, running: int | None) -> Action:
@@ -217,7 +204,11 @@ class RendezvousHandler:
         quiet, self._quiet = self._quiet, False
         if quiet and not self.watching and not self._claims.due(now) and self._follower.settled(self._claims):
             return self._checked(self._follower.again(running), running, now)
-        entry, self._since_rev = get_at(self.store, self.keys.round)
+        copied = None if self.watching else self._changes.read(self.keys.round)
+        if copied is not None:
+            entry, self._since_rev = copied  # (no request: the round directory's copy)
+        else:
+            entry, self._since_rev = get_at(self.store, self.keys.round)
         read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
         hdr, rev = self._header_of(entry)
         now = self.clock.monotonic()
@@ -226,8 +217,16 @@ class RendezvousHandler:
             action = self._watcher.step(running, hdr, rev, read=read)
         else:
             action = self._follower.step(running, hdr, now)
-        self._changes.arm(self.watched_prefix(), self._since_rev)
+        self._changes.arm(self.watched_prefix(), self._since_rev, copy=not self.watching)
         return self._checked(action, running, now)
+
+    def read_round_key(self, key: str) -> Entry | None:
+        """A key of the round directory (the claim, a master address): from the local copy
+        a follower keeps of it where the store allows (:mod:`flexrun.rendezvous.changewatch`),
+        else from the store. Not for a value to compare-and-set on at once: the copy may
+        lag the store by a watch delivery (a lost compare-and-set reads it again)."""
+        copied = None if self.watching else self._changes.read(key)
+        return copied[0] if copied is not None else self.store.get(key)
 
     @property
     def watching(self) -> bool:
@@ -259,30 +258,19 @@ class RendezvousHandler:
     def wait(self, timeout_s: float) -> bool:
         """Block until the watched state may have changed since the last :meth:`step`, or
         ``timeout_s``. One long store watch in the background serves every call (see
-        :mod:`flexrun.rendezvous.changewatch`): a short wait costs no request."""
+        :mod:`flexrun.rendezvous.changewatch`): a short wait costs no request; where the
+        store's notifications carry values, a follower's next step reads none either."""
         changed = self._changes.wait(timeout_s)
         self._quiet = not changed
         return changed
 
     # -- per-round master address ----------------------------------------------------------
     def master_for(self, rnd: RoundRecord, timeout_s: float, port: int = 0) -> MasterRecord | None:
-        """Rank 0's node publishes ``port`` (its agent's store) or a free one; others wait
-        for it (None: the round moved on)."""
-        key = self.keys.master(rnd.number)
-        if rnd.group_rank(self.me.node_id) == 0:
-            rec = MasterRecord(self.me.addr, port or free_port(self.me.addr))
-            ok, _ = self.store.compare_and_set(key, rec.encode(), expected_revision=0)
-            if not ok:
-                entry = self.store.get(key)
-                if entry is None:
-                    return None
-                rec = MasterRecord.decode(entry.value)
-            self._known_master = (rnd.number, rec)
-            return rec
-        found = _await_master(self, key, rnd.number, timeout_s)
-        if found is not None:
-            self._known_master = (rnd.number, found)
-        return found
+        """Round ``rnd``'s master address (:mod:`flexrun.rendezvous.masters`)."""
+        return self._masters.master_for(rnd, timeout_s, port)
+
+    def published_master(self, number: int) -> MasterRecord | None:
+        return self._masters.published(number)
 
     # -- failure and completion --------------------------------------------------------------
     def _with_mine(self, rnd: RoundRecord) -> RoundRecord:
@@ -359,28 +347,3 @@ class RendezvousHandler:
 
         self._rewrite(make)
 
-
-def _await_master(
-    h: RendezvousHandler, key: str, number: int, timeout_s: float
-) -> MasterRecord | None:
-    """Wait for round ``number``'s master record under ``key`` (None: the round moved on,
-    or ``timeout_s`` passed)."""
-    deadline = h.clock.monotonic() + timeout_s
-    while True:
-        entry = h.store.get(key)
-        if entry is not None:
-            return MasterRecord.decode(entry.value)
-        # Not published yet. Decide as the agent's loop would: rank 0's node may have
-        # left or died before publishing, and this agent, waiting here, may be the only
-        # one left to replace the round (a proposal made here returns Wait).
-        action = h.step(None)
-        if not isinstance(action, Run) or action.round.number != number:
-            return None
-        remaining = deadline - h.clock.monotonic()
-        if remaining <= 0 or h.stopped:
-            return None
-        # The address is published under the round directory, which this node's change
-        # watch follows from its last read: the publication (or a new header) wakes the
-        # wait, at no request; the keep-alive interval bounds it so that the step above
-        # still checks on the watcher when nothing changes.
-        h.wait(min(remaining, h.settings.heartbeat_interval_s))

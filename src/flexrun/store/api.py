@@ -19,6 +19,18 @@ transfers only what changed since the previous one (both backends keep a snapsho
 Optional: a store whose reads report the store revision they saw (etcd) also has
 ``get_at(key) -> (Entry | None, revision)``, one request that stands for :meth:`revision`
 then :meth:`get`; callers look it up with ``getattr`` and fall back to those two.
+
+Optional, together: a store whose change notifications carry the written values (etcd's
+watch events hold them) has ``get_prefix_at(prefix) -> (entries, revision)``, every live
+entry under ``prefix`` and the revision they are as of, in one request, and
+``watch_values(prefix, since_revision, timeout_s) -> (events, revision)``, which blocks as
+:meth:`Store.wait_for_change` but returns what changed: ``events`` lists ``(key, entry)``
+in revision order for every write under ``prefix`` after ``since_revision`` (``entry``
+None: deleted or expired), empty when ``timeout_s`` passed, None when the store can no
+longer tell (its history was compacted: read the prefix again); ``revision`` is the next
+``since_revision``, no event at or below it is missing. With both, a reader keeps a copy
+of a small prefix up to date at no request per change (:mod:`flexrun.rendezvous.changewatch`).
+Callers look them up with ``getattr``.
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ class Entry:
 
     value: bytes
     revision: int
+
+
+Event = tuple[str, "Entry | None"]
+"""One change under a watched prefix: the key and what it holds now (None: gone)."""
 
 
 @runtime_checkable

@@ -60,9 +60,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import ConfigError, StoreError
-from flexrun.store.api import Entry
+from flexrun.store.api import Entry, Event
 from flexrun.store.etcd_http import Cluster, Transport, tls_context
-from flexrun.store.etcd_watch import Watches
+from flexrun.store.etcd_watch import Watches, event_of
 
 if TYPE_CHECKING:  # the store layer takes settings from above but never imports config at run time
     from flexrun.config import StoreSettings
@@ -98,6 +98,16 @@ def _range_end(prefix: str) -> bytes:
 
 def _rev(result: Mapping[str, Any]) -> int:
     return int(result.get("header", {}).get("revision", 0))
+
+
+def _watch_request(prefix: str, since_revision: int) -> dict[str, Any]:
+    return {
+        "create_request": {
+            "key": _b64(prefix or "\0"),
+            "range_end": _b64(_range_end(prefix)),
+            "start_revision": since_revision + 1,
+        }
+    }
 
 
 def options(settings: StoreSettings) -> dict[str, Any]:
@@ -399,19 +409,38 @@ class EtcdStore:
     def wait_for_change(
         self, prefix: str, since_revision: int, timeout_s: float
     ) -> tuple[bool, int]:
-        deadline = self._clock.monotonic() + timeout_s
-        request = {
-            "create_request": {
-                "key": _b64(prefix or "\0"),
-                "range_end": _b64(_range_end(prefix)),
-                "start_revision": since_revision + 1,
-            }
-        }
         if timeout_s <= 0:
             return False, since_revision
+        deadline = self._clock.monotonic() + timeout_s
+        request = _watch_request(prefix, since_revision)
         return self._retry(
             lambda t, attempt_s: self._watches.watch(t, request, deadline, since_revision)
         )
+
+    def get_prefix_at(self, prefix: str) -> tuple[dict[str, Entry], int]:
+        """Every key under ``prefix`` and the revision the read saw (one request)."""
+        at, kvs = self._range(prefix or "\0", _range_end(prefix))
+        out = dict(self._entry(kv) for kv in kvs)
+        return {k: out[k] for k in sorted(out) if not k.startswith(_INTERNAL)}, at
+
+    def watch_values(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[list[Event] | None, int]:
+        """:meth:`wait_for_change` returning its events, values included (see the api)."""
+        if timeout_s <= 0:
+            return [], since_revision
+        deadline = self._clock.monotonic() + timeout_s
+        request = _watch_request(prefix, since_revision)
+        raw: list[dict[str, Any]] = []
+
+        def op(t: Transport, attempt_s: float) -> tuple[bool, int]:
+            raw.clear()
+            return self._watches.watch(t, request, deadline, since_revision, raw)
+
+        changed, rev = self._retry(op)
+        if changed and not raw:
+            return None, since_revision  # compacted: the caller reads the prefix again
+        return [(k, e) for k, e in map(event_of, raw) if not k.startswith(_INTERNAL)], rev
 
     def close(self) -> None:
         self._cluster.close()

@@ -14,6 +14,7 @@ one watch per wait, as before. It knows nothing about rounds.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import threading
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexrun._clock import Clock
+from flexrun.store.api import Entry, Event
 from flexrun.store.etcd_http import Transport, Unreachable, error_text, watch_message
 
 
@@ -87,6 +89,19 @@ class _Open:
     seen: int = 0  # the newest event revision it delivered
 
 
+def _revision_of(event: Mapping[str, Any]) -> int:
+    return int(event.get("kv", {}).get("mod_revision", 0))
+
+
+def event_of(event: Mapping[str, Any]) -> Event:
+    """An etcd watch event as the api's ``(key, entry)`` (None: deleted or expired)."""
+    kv = event.get("kv", {})
+    key = base64.b64decode(kv.get("key") or "").decode()
+    if event.get("type") == "DELETE":
+        return key, None
+    return key, Entry(base64.b64decode(kv.get("value") or ""), int(kv.get("mod_revision", 0)))
+
+
 class Watches:
     """Per thread, the watch stream its last wait left open (see the module docstring)."""
 
@@ -96,10 +111,20 @@ class Watches:
         self._local = threading.local()
 
     def watch(
-        self, t: Transport, request: Mapping[str, Any], deadline: float, since_revision: int
+        self,
+        t: Transport,
+        request: Mapping[str, Any],
+        deadline: float,
+        since_revision: int,
+        collect: list[dict[str, Any]] | None = None,
     ) -> tuple[bool, int]:
         """Whether anything under the request's range changed after ``since_revision``
         before ``deadline``, and the revision to wait from next.
+
+        With ``collect``, the events after ``since_revision`` are appended to it (etcd's
+        event objects, values included) and the revision returned is the newest of them:
+        every event up to it has been handed over (``(True, since)`` with nothing
+        collected: history before ``since_revision`` is compacted).
 
         Raises:
             Unreachable: the stream broke (the caller retries on a new one).
@@ -108,7 +133,11 @@ class Watches:
         key = (create["key"], create["range_end"])
         held: _Open | None = getattr(self._local, "open", None)
         if held is not None and (
-            held.stream.closed or held.key != key or held.t is not t or since_revision < held.base
+            held.stream.closed
+            or held.key != key
+            or held.t is not t
+            or since_revision < held.base
+            or (collect is not None and since_revision < held.seen)
         ):
             held.stream.close()
             held = None
@@ -120,12 +149,18 @@ class Watches:
             return True, held.seen  # the stream already delivered a change after it
         self._local.open = held
         try:
-            return self._read(held, deadline, since_revision)
+            return self._read(held, deadline, since_revision, collect)
         except Unreachable:
             held.stream.close()
             raise
 
-    def _read(self, held: _Open, deadline: float, since_revision: int) -> tuple[bool, int]:
+    def _read(
+        self,
+        held: _Open,
+        deadline: float,
+        since_revision: int,
+        collect: list[dict[str, Any]] | None,
+    ) -> tuple[bool, int]:
         stream = held.stream
         while True:
             remaining = deadline - self._clock.monotonic()
@@ -139,9 +174,12 @@ class Watches:
             result = message.get("result", {})
             events = result.get("events")
             if events:
-                newest = max(int(e.get("kv", {}).get("mod_revision", 0)) for e in events)
+                newest = max(_revision_of(e) for e in events)
                 held.seen = max(held.seen, newest)
                 if newest > since_revision:
+                    if collect is not None:
+                        collect.extend(e for e in events if _revision_of(e) > since_revision)
+                        return True, newest
                     return True, max(
                         int(result.get("header", {}).get("revision", 0)), since_revision
                     )
@@ -150,6 +188,8 @@ class Watches:
                 if int(result.get("compact_revision", 0)):
                     # History before since_revision is compacted: report a change.
                     stream.close()
+                    if collect is not None:
+                        return True, since_revision
                     return True, max(
                         int(result.get("header", {}).get("revision", 0)), since_revision
                     )
@@ -161,4 +201,4 @@ class Watches:
             held.stream.close()
 
 
-__all__ = ["Stream", "Watches"]
+__all__ = ["Stream", "Watches", "event_of"]

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Mapping
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.store.api import Entry
+from flexrun.store.api import Entry, Event
 
 
 class MemoryStore:
@@ -17,8 +17,8 @@ class MemoryStore:
         self._cond = threading.Condition()
         self._data: dict[str, tuple[Entry, float | None]] = {}
         self._rev = 0
-        # Revision of the last write per key, kept for deletes too so watches see them.
-        self._writes: list[tuple[int, str]] = []
+        # Every recent write (revision, key, what it wrote; None: a delete), for watches.
+        self._writes: list[tuple[int, str, Entry | None]] = []
         self._forgotten = 0
         self._closed = False
 
@@ -34,8 +34,7 @@ class MemoryStore:
 
     def _write(self, key: str, value: bytes | None, ttl_s: float | None) -> Entry | None:
         self._rev += 1
-        self._writes.append((self._rev, key))
-        if len(self._writes) > 4096:
+        if len(self._writes) >= 4096:
             self._forgotten = self._writes[1023][0]  # writes up to here are no longer listed
             del self._writes[:1024]
         if value is None:
@@ -45,6 +44,7 @@ class MemoryStore:
             entry = Entry(value, self._rev)
             expires = None if ttl_s is None else self._clock.monotonic() + ttl_s
             self._data[key] = (entry, expires)
+        self._writes.append((self._rev, key, entry))
         self._cond.notify_all()
         return entry
 
@@ -110,12 +110,49 @@ class MemoryStore:
             while True:
                 if since_revision < self._forgotten:
                     return True, self._rev  # too far behind to tell: report a change
-                if any(r > since_revision and k.startswith(prefix) for r, k in self._writes):
+                if any(r > since_revision and k.startswith(prefix) for r, k, _ in self._writes):
                     return True, self._rev
                 remaining = deadline - self._clock.monotonic()
                 if remaining <= 0 or self._closed:
                     return False, self._rev
                 self._cond.wait(min(remaining, 0.5))
+
+    def get_prefix_at(self, prefix: str) -> tuple[dict[str, Entry], int]:
+        """:meth:`get_prefix` and the revision it is as of (see the api)."""
+        with self._cond:
+            self._expire(prefix)
+            return self.get_prefix(prefix), self._rev
+
+    def watch_values(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[list[Event] | None, int]:
+        """The writes under ``prefix`` after ``since_revision`` (see the api); an expired
+        keep-alive is reported as a delete, as etcd reports a lease's expiry."""
+        deadline = self._clock.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if since_revision < self._forgotten:
+                    return None, self._rev
+                self._expire(prefix)
+                events: list[Event] = [
+                    (k, e) for r, k, e in self._writes if r > since_revision and k.startswith(prefix)
+                ]
+                if events:
+                    return events, self._rev
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0 or self._closed:
+                    return [], max(since_revision, self._rev)
+                self._cond.wait(min(remaining, 0.5))
+
+    def _expire(self, prefix: str) -> None:
+        """Record the expiry of every keep-alive under ``prefix`` whose TTL has passed."""
+        now = self._clock.monotonic()
+        for key in [
+            k
+            for k, (_, expires) in self._data.items()
+            if k.startswith(prefix) and expires is not None and now >= expires
+        ]:
+            self._write(key, None, None)
 
     def close(self) -> None:
         with self._cond:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
-from flexrun.store.api import Entry, Store
+from flexrun.store.api import Entry, Event, Store
 
 log = logging.getLogger("flexrun.store")
 
@@ -133,6 +133,13 @@ class SignedStore:
         self._reported: set[tuple[str, str]] = set()
         self._sinks: list[Sink] = []
         self.rejected = 0
+        # The api's optional reads, where the inner store has them (callers look them up
+        # with getattr): the values they return are judged as every other read's.
+        if callable(getattr(inner, "get_prefix_at", None)) and callable(
+            getattr(inner, "watch_values", None)
+        ):
+            self.get_prefix_at = self._get_prefix_at
+            self.watch_values = self._watch_values
 
     @property
     def judges_ttl_locally(self) -> bool:
@@ -292,6 +299,26 @@ class SignedStore:
         self, prefix: str, since_revision: int, timeout_s: float
     ) -> tuple[bool, int]:
         return self.inner.wait_for_change(prefix, since_revision, timeout_s)
+
+    def _get_prefix_at(self, prefix: str) -> tuple[dict[str, Entry], int]:
+        raw, rev = self.inner.get_prefix_at(prefix)  # type: ignore[attr-defined]
+        with self._lock:
+            for k in [k for k in self._known if k.startswith(prefix) and k not in raw]:
+                del self._known[k]
+        judged = {key: self._judge(key, entry) for key, entry in raw.items()}
+        return {k: e for k, e in judged.items() if e is not None}, int(rev)
+
+    def _watch_values(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[list[Event] | None, int]:
+        """The inner store's events, each value judged as :meth:`get` judges it (junk
+        stands for the value last verified under its key)."""
+        events, rev = self.inner.watch_values(  # type: ignore[attr-defined]
+            prefix, since_revision, timeout_s
+        )
+        if events is None:
+            return None, int(rev)
+        return [(key, self._judge(key, entry)) for key, entry in events], int(rev)
 
     def revision(self) -> int:
         return self.inner.revision()

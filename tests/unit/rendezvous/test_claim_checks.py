@@ -17,15 +17,22 @@ S7 = RendezvousSettings(
 BASE_S = 1.5  # max(heartbeat_interval, heartbeat_timeout / 2)
 
 
-class ClaimReads:
-    """A node's store, counting its reads of the watcher claim."""
+COPIES = ("get_prefix_at", "watch_values")  # the api's value-carrying watch (etcd has it)
 
-    def __init__(self, inner: MemoryStore, claim_key: str) -> None:
+
+class ClaimReads:
+    """A node's store, counting its reads of the watcher claim. Without ``copies``, a
+    store whose watches carry no values (as the tcp store): every claim check is a read."""
+
+    def __init__(self, inner: MemoryStore, claim_key: str, *, copies: bool = False) -> None:
         self.inner = inner
         self.claim_key = claim_key
         self.claim_reads = 0
+        self.copies = copies
 
     def __getattr__(self, name: str) -> object:
+        if name in COPIES and not self.copies:
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def get(self, key: str) -> Entry | None:
@@ -34,9 +41,14 @@ class ClaimReads:
 
 
 def _node(
-    store: MemoryStore, node: str, clock: FakeClock, settings: RendezvousSettings = S7
+    store: MemoryStore,
+    node: str,
+    clock: FakeClock,
+    settings: RendezvousSettings = S7,
+    *,
+    copies: bool = False,
 ) -> tuple[RendezvousHandler, ClaimReads]:
-    spy = ClaimReads(store, "flexrun/job/s/round/watcher")
+    spy = ClaimReads(store, "flexrun/job/s/round/watcher", copies=copies)
     h = RendezvousHandler(
         spy,  # type: ignore[arg-type]
         run_id="job",
@@ -50,9 +62,11 @@ def _node(
     return h, spy
 
 
-def _formed(clock: FakeClock) -> tuple[list[RendezvousHandler], list[ClaimReads]]:
+def _formed(
+    clock: FakeClock, *, copies: bool = False
+) -> tuple[list[RendezvousHandler], list[ClaimReads]]:
     store = MemoryStore(clock)
-    nodes = [_node(store, n, clock) for n in "abcdefg"]
+    nodes = [_node(store, n, clock, copies=copies) for n in "abcdefg"]
     hs, spies = [h for h, _ in nodes], [s for _, s in nodes]
     hs[0].step(None)  # a claims the watcher role and proposes [a..g]
     for h in hs:
@@ -177,3 +191,52 @@ def test_a_watcher_killed_before_the_first_round_is_still_replaced() -> None:
             h._beat()
             h.step(None)
     assert sum(h.watching for h in alive) == 1
+
+
+def test_where_the_store_carries_values_the_claim_checks_read_the_copy_and_a_dead_watcher_is_replaced() -> (
+    None
+):
+    """With the round directory kept as a copy (etcd), a follower's claim checks cost no
+    read of the claim, and the deputies still replace a SIGKILLed watcher in time: they
+    read its keep-alive, which no copy holds."""
+    import time
+
+    clock = FakeClock()
+    hs, spies = _formed(clock, copies=True)
+    for h in hs[1:]:  # let every follower's watch read the round directory once
+        t0 = time.monotonic()
+        while h._changes.read(h.keys.round) is None:
+            h.wait(0.05)
+            assert time.monotonic() - t0 < 5
+        h.step(1)
+    for s in spies:
+        s.claim_reads = 0
+    for _ in range(int(SPARSE_CHECKS * BASE_S / 0.5)):  # one sparse interval of agent ticks
+        clock.advance(0.5)
+        for h in hs:
+            h._beat()
+            h.wait(0)
+            h.step(1)
+    assert [s.claim_reads for s in spies[1:]] == [0] * 6  # (the watcher reads it: a store read)
+    t_dead = clock.monotonic()  # a, the watcher, is SIGKILLed
+    alive = hs[1:]
+    while not any(h.watching for h in alive):
+        assert clock.monotonic() - t_dead <= S7.heartbeat_timeout_s + 2 * BASE_S
+        clock.advance(0.5)
+        for h in alive:
+            h._beat()
+            h.wait(0)
+            h.step(1)
+    assert sum(h.watching for h in alive) == 1
+    new = next(h for h in alive if h.watching)
+    new.step(1)  # proposes the round without a
+    for h in alive:
+        t0 = time.monotonic()
+        act = h.step(1)
+        while not (isinstance(act, Run) and act.round.number == 2):
+            assert time.monotonic() - t0 < 5, act
+            h.wait(0.1)  # (the copy lags the store by the watch's delivery)
+            act = h.step(1)
+        assert act.round.reason == "node_lost"
+    for h in hs:
+        h.leave()

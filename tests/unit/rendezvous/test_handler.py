@@ -690,6 +690,8 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
         store.put(h.keys.node(h.me.node_id), h.me.encode())
     a.step(None)
     assert isinstance(b.step(None), Run) and isinstance(a.step(None), Run)
+    b.wait(0.5)  # b's watch starts (where the store carries values, it reads a copy: a change)
+    b.step(1)
     ticks = 0
     t_end = time.monotonic() + 1.0
     while time.monotonic() < t_end:  # an agent's loop: wait a tick, step
@@ -726,7 +728,7 @@ class Requests:
 
     def __getattr__(self, name: str) -> object:
         attr = getattr(self.inner, name)
-        if name in ("wait_for_change",) or not callable(attr):
+        if name in ("wait_for_change", "watch_values") or not callable(attr):  # (the long watch)
             return attr
 
         def counted(*args: object, **kw: object) -> object:
@@ -757,7 +759,7 @@ def test_a_follower_waiting_for_the_first_round_makes_no_request_on_a_quiet_tick
     assert a.step(None) == Wait("waiting for nodes: 2 of min 3") or not a.round
     assert a.watching
     assert isinstance(b.step(None), Wait) and not b.watching
-    b.wait(0.05)
+    b.wait(0.5)  # (where the store carries values, the watch reads a copy first: a change)
     b.step(None)  # reads once more after its own arm; from here on nothing changes
     before = spy.count
     for _ in range(10):  # an agent's loop before the first round: wait a tick, step
