@@ -164,11 +164,11 @@ def count_etcd(store: Any, counter: Counter) -> None:
     watches = store._watches
     watch = watches.watch
 
-    def counted_watch(t: Any, request: Any, deadline: float, since: int) -> Any:
+    def counted_watch(t: Any, request: Any, deadline: float, since: int, *rest: Any) -> Any:
         before = getattr(watches._local, "open", None)
         _watching.counter = counter
         try:
-            return watch(t, request, deadline, since)
+            return watch(t, request, deadline, since, *rest)
         finally:
             _watching.counter = None
             after = getattr(watches._local, "open", None)

@@ -107,52 +107,61 @@ class ChangeWatch:
                 if self._changed or self._stop.is_set():
                     continue
                 prefix, since, generation = self._prefix, self._since, self._generation
-                copy = self._copy if self._copy_wanted else None
                 wanted = self._copy_wanted
+                copy = self._copy if wanted else None
             try:
                 if wanted:
-                    changed = self._follow_copy(prefix, copy, generation)
+                    self._follow_copy(prefix, copy)
+                    continue
+                changed, _ = self._store.wait_for_change(prefix, since, LONG_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 (a dead watch thread: a node never woken)
+                if isinstance(exc, StoreError):
+                    log.debug("watch of %s failed (%s): reporting a change", prefix, exc)
                 else:
-                    changed, _ = self._store.wait_for_change(prefix, since, LONG_WAIT_S)
-            except StoreError as exc:
-                log.debug("watch of %s failed (%s): reporting a change", prefix, exc)
+                    log.exception("watch of %s failed: reporting a change", prefix)
                 with self._cond:
                     self._copy = None
-                changed = True
+                    self._wake()
                 self._stop.wait(RETRY_S)
+                continue
             if changed:
                 with self._cond:
                     if generation == self._generation:
-                        self._changed = True
-                        self._cond.notify_all()
+                        self._wake()
 
-    def _follow_copy(
-        self, prefix: str, copy: tuple[str, dict[str, Entry], int] | None, generation: int
-    ) -> bool:
+    def _wake(self) -> None:
+        self._changed = True
+        self._cond.notify_all()
+
+    def _follow_copy(self, prefix: str, copy: tuple[str, dict[str, Entry], int] | None) -> None:
         """Read ``prefix`` into a copy if none is kept, else apply the next events to it;
-        whether the copy changed past what the node last read."""
+        wake the node when the copy got past what it last read (the revision it armed)."""
         assert self._prime is not None and self._watch_values is not None
         if copy is None:
             values, rev = self._prime(prefix)
             with self._cond:
-                if generation == self._generation:
+                if self._copy_wanted and self._prefix == prefix and self._copy is None:
                     self._copy = (prefix, dict(values), rev)
-            return True  # (a new copy: the node reads it again)
+                    self._wake()  # (a new copy: the node reads it)
+            return
         _, values, rev = copy
         events, new_rev = self._watch_values(prefix, rev, LONG_WAIT_S)
         with self._cond:
             if self._copy is not copy:
-                return False  # re-armed meanwhile: the next pass starts over
+                return  # dropped or re-armed meanwhile: the next pass starts over
             if events is None:
                 self._copy = None  # history compacted: read the prefix again
-                return True
+                self._wake()
+                return
             for key, entry in events:
                 if entry is None:
                     values.pop(key, None)
                 else:
                     values[key] = entry
-            self._copy = (prefix, values, max(rev, new_rev))
-            return max(rev, new_rev) > self._since and bool(events)
+            rev = max(rev, new_rev)
+            self._copy = (prefix, values, rev)
+            if events and rev > self._since:
+                self._wake()
 
 
 __all__ = ["ChangeWatch", "LONG_WAIT_S"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
+from flexrun.errors import RendezvousTimeout
 from flexrun.exitcodes import NO_PROGRESS
 from flexrun.rendezvous.state import (
     CLOSED,
@@ -341,3 +342,31 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
         rec = next_round(r, alive, settings, reason)
         return Propose(rec, r.number if r is not None else 0, joined=tuple(rec.member_ids))
     return Wait(f"waiting for nodes: {len(alive)} present, MIN is {settings.min_nodes}")
+
+
+def within_join_timeout(
+    action: Action,
+    rnd: RoundRecord | None,
+    running: int | None,
+    settings: RendezvousSettings,
+    waited_s: float,
+) -> Action:
+    """``action``, unless a node that has waited ``waited_s`` since it joined is past the
+    join timeout without a round of MIN nodes.
+
+    Raises:
+        RendezvousTimeout: no round with MIN nodes formed within the join timeout.
+    """
+    if (
+        isinstance(action, Wait)
+        and (rnd is None or rnd.state not in (CLOSED, FAILED))
+        and running is None
+        and (rnd is None or len(rnd.members) < settings.min_nodes)
+        and waited_s > settings.join_timeout_s
+    ):
+        raise RendezvousTimeout(
+            f"rendezvous timed out after {settings.join_timeout_s:g}s: --nnodes MIN is "
+            f"{settings.min_nodes} and no round with that many nodes formed; start more "
+            "nodes or lower MIN"
+        )
+    return action

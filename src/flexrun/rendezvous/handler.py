@@ -23,11 +23,16 @@ from collections.abc import Callable
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
-from flexrun.errors import RendezvousError, RendezvousTimeout, StoreError
+from flexrun.errors import RendezvousError, StoreError
 from flexrun.events import EventLog
 from flexrun.rendezvous.changewatch import ChangeWatch
 from flexrun.rendezvous.claims import Claims
-from flexrun.rendezvous.decide import Action, Wait, counted_failure, failure_round
+from flexrun.rendezvous.decide import (
+    Action,
+    counted_failure,
+    failure_round,
+    within_join_timeout,
+)
 from flexrun.rendezvous.follower import Follower
 from flexrun.rendezvous.keepalive import KeepAlive
 from flexrun.rendezvous.masters import Masters
@@ -79,6 +84,7 @@ class RendezvousHandler:
         self.replayed = False
         self.settle_until = 0.0
         self._since_rev = 0
+        self._high_rev = 0  # the newest revision of the round directory read or written
         self._masters = Masters(self)
         self._claims = Claims(self)
         self._watcher = Watcher(self)
@@ -173,6 +179,7 @@ class RendezvousHandler:
             )
             return self._header, entry.revision
         self.note_header(rnd)
+        self._high_rev = max(self._high_rev, entry.revision)
         return rnd, entry.revision
 
     def note_header(self, rnd: RoundRecord) -> None:
@@ -204,11 +211,12 @@ class RendezvousHandler:
         quiet, self._quiet = self._quiet, False
         if quiet and not self.watching and not self._claims.due(now) and self._follower.settled(self._claims):
             return self._checked(self._follower.again(running), running, now)
-        copied = None if self.watching else self._changes.read(self.keys.round)
+        copied = self._copied(self.keys.round)
         if copied is not None:
             entry, self._since_rev = copied  # (no request: the round directory's copy)
         else:
             entry, self._since_rev = get_at(self.store, self.keys.round)
+            self._high_rev = max(self._high_rev, self._since_rev)
         read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
         hdr, rev = self._header_of(entry)
         now = self.clock.monotonic()
@@ -225,8 +233,15 @@ class RendezvousHandler:
         a follower keeps of it where the store allows (:mod:`flexrun.rendezvous.changewatch`),
         else from the store. Not for a value to compare-and-set on at once: the copy may
         lag the store by a watch delivery (a lost compare-and-set reads it again)."""
-        copied = None if self.watching else self._changes.read(key)
+        copied = self._copied(key)
         return copied[0] if copied is not None else self.store.get(key)
+
+    def _copied(self, key: str) -> tuple[Entry | None, int] | None:
+        """``key`` from the copy, unless this node watches, or has read or written the
+        round directory at a later revision than the copy has caught up with (it would
+        take its own header write for a replay)."""
+        copied = None if self.watching else self._changes.read(key)
+        return copied if copied is not None and copied[1] >= self._high_rev else None
 
     @property
     def watching(self) -> bool:
@@ -234,21 +249,7 @@ class RendezvousHandler:
         return self._claims.watching
 
     def _checked(self, action: Action, running: int | None, now: float) -> Action:
-        """``action``, unless this node has waited longer than the join timeout for MIN nodes."""
-        rnd = self.round
-        if (
-            isinstance(action, Wait)
-            and (rnd is None or rnd.state not in (CLOSED, FAILED))
-            and running is None
-            and (rnd is None or len(rnd.members) < self.settings.min_nodes)
-            and now - self._joined_at > self.settings.join_timeout_s
-        ):
-            raise RendezvousTimeout(
-                f"rendezvous timed out after {self.settings.join_timeout_s:g}s: --nnodes MIN is "
-                f"{self.settings.min_nodes} and no round with that many nodes formed; start more "
-                "nodes or lower MIN"
-            )
-        return action
+        return within_join_timeout(action, self.round, running, self.settings, now - self._joined_at)
 
     # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
@@ -290,9 +291,10 @@ class RendezvousHandler:
             if rec is None:
                 return self._with_mine(rnd)
             rec = dataclasses.replace(rec, seq=self.max_seq + 1)
-            ok, _ = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
+            ok, won = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
             if ok:
                 self.note_header(rec)
+                self._high_rev = max(self._high_rev, won.revision if won is not None else 0)
                 return self._with_mine(rec)
 
     def report_failure(
