@@ -14,7 +14,7 @@ from flexrun.config import RendezvousSettings
 from flexrun.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, RendezvousHandler, Run, Stop, Wait
 from flexrun.rendezvous.state import Keys, RoundRecord, read_round
-from flexrun.store.api import Store
+from flexrun.store.api import Entry, Store
 from flexrun.store.memory import MemoryStore
 from flexrun.store.tcp import TcpStore, TcpStoreServer
 from flexrun.testing import FakeClock
@@ -889,3 +889,64 @@ def test_a_member_list_remembered_from_before_a_store_restart_is_written_again()
     act = _settle(b, None)
     assert act.round.member_ids == ["a", "b"]  # (read from the store: it is there)
     assert _round(store).member_ids == ["a", "b"]
+
+
+class GatedWatch:
+    """A store whose value-carrying watch delivers only when ``open`` is set (a watch that
+    lags the store), counting the header reads that go to the store."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner = inner
+        self.open = threading.Event()
+        self.open.set()
+        self.header_reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def get(self, key: str) -> Entry | None:
+        self.header_reads += key == Keys("job").round
+        return self.inner.get(key)
+
+    def watch_values(self, prefix: str, since: int, timeout_s: float) -> object:
+        t_end = time.monotonic() + timeout_s
+        while not self.open.wait(0.05):
+            if time.monotonic() > t_end:
+                return [], since
+        return self.inner.watch_values(prefix, since, min(timeout_s, 0.2))
+
+
+@pytest.mark.timeout(30)
+def test_a_follower_reads_its_round_from_the_copy_but_not_a_copy_older_than_its_own_write() -> None:
+    """Where the store's watches carry values, a follower's steps read the round directory's
+    copy (no request); after it rewrote the header itself (a failure report) a copy that
+    has not caught up is not read: it would take the older round there for a replay."""
+    from flexrun._clock import SYSTEM_CLOCK
+
+    store = MemoryStore()
+    gated = GatedWatch(store)
+    a, b = _handler(store, "a", SYSTEM_CLOCK, S3), _handler(gated, "b", SYSTEM_CLOCK, S3)  # type: ignore[arg-type]
+    a.step(None)
+    assert isinstance(b.step(None), Run)
+    t0 = time.monotonic()
+    while b._changes.read(b.keys.round) is None:  # b's watch reads the copy
+        b.wait(0.05)
+        assert time.monotonic() - t0 < 5
+    b.step(1)
+    before = gated.header_reads
+    for _ in range(5):
+        b.wait(0.01)
+        assert isinstance(b.step(1), Wait)
+    assert gated.header_reads == before  # every step read the copy
+    events: list[str] = []
+    b.events.emit = lambda event, **kw: events.append(event) or {}  # type: ignore[method-assign]
+    gated.open.clear()  # the copy stops catching up
+    time.sleep(0.3)
+    rec = b.report_failure(1, FailureCause(rank=1))
+    assert rec.number == 2
+    act = b.step(None)
+    assert isinstance(act, Run) and act.round.number == 2, act
+    assert "store_record_rejected" not in events, events
+    gated.open.set()
+    for h in (a, b):
+        h.leave()
