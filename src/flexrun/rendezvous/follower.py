@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.follow import FollowView, follow
 from flexrun.rendezvous.records import ask_for_slice, read_slice
-from flexrun.rendezvous.state import RUNNING, RoundRecord, Slice, with_loader
+from flexrun.rendezvous.state import RUNNING, RoundRecord, Slice, carried_slice, with_loader
 
 if TYPE_CHECKING:
     from flexrun.rendezvous.claims import Claims
@@ -78,7 +78,11 @@ class Follower:
         digest = rnd.digest
         mine = self.slices.get(digest) if digest else None
         if digest and mine is None and rnd.state == RUNNING:
-            mine = read_slice(h.store, h.keys, digest, h.me.node_id)
+            old = self.slices.get(rnd.prev) if rnd.prev else None
+            carried = carried_slice(old, rnd) if old is not None else None
+            # (a member the new list kept in place needs no read: a scale-up costs the
+            # members already there nothing)
+            mine = carried or read_slice(h.store, h.keys, digest, h.me.node_id)
             if mine is not None:
                 self.slices[digest] = mine
                 while len(self.slices) > SLICES_KEPT:

@@ -165,6 +165,25 @@ def slices_of(members: Sequence[Member]) -> list[Slice]:
     return out
 
 
+def kept_of(old: Sequence[Member], new: Sequence[Member]) -> int:
+    """How many leading members ``new`` shares with ``old`` (:attr:`RoundRecord.kept`)."""
+    n = 0
+    for a, b in zip(old, new, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def carried_slice(old: Slice, rnd: RoundRecord) -> Slice | None:
+    """``old`` (a slice of ``rnd.prev``'s list) carried over to ``rnd``'s list, if its
+    member is one of the ``rnd.kept`` leading ones both lists share; else None."""
+    if not (old.member and old.digest == rnd.prev and 0 <= old.group_rank < rnd.kept):
+        return None
+    nodes, world = len(rnd.members), rnd.world_size()
+    return Slice(rnd.digest, old.node_id, True, old.group_rank, old.rank_base, old.nproc, nodes, world)
+
+
 def encode_chunk(digest: str, index: int, members: Sequence[Member]) -> bytes:
     return _json(
         {
@@ -284,6 +303,10 @@ class RoundRecord:
     """How many times the header has been written (a replayed older header has a lower one)."""
     prev: str = ""
     """Digest of the previous distinct member list (its records are deleted next)."""
+    kept: int = 0
+    """How many leading members this list shares with ``prev``'s: their slices carry over
+    (same group rank and rank base; nodes and world from the header), so after a scale-up
+    the members already there read no slice."""
     mine: Slice | None = field(default=None, compare=False)
     """The reading node's own slice (followers), when it read one."""
     stalled: int = 0  # failures in a row that completed no step (--crash-loop-restarts)
@@ -351,6 +374,7 @@ class RoundRecord:
                 "digest": self.digest,
                 "seq": self.seq,
                 "prev": self.prev,
+                "kept": self.kept,
             }
         )
 
@@ -387,6 +411,7 @@ class RoundRecord:
                 root_cause=FailureCause.from_dict(d.get("root_cause")),
                 seq=int(d.get("seq", 0)),
                 prev=str(d.get("prev", "")),
+                kept=int(d.get("kept", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RendezvousError(f"corrupt round record: {exc}") from exc

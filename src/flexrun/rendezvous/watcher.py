@@ -30,6 +30,7 @@ from flexrun.rendezvous.state import (
     NodeRecord,
     RoundRecord,
     Slice,
+    kept_of,
     slices_of,
 )
 from flexrun.rendezvous.static import decide_static, static_members
@@ -195,10 +196,12 @@ class Watcher:
         """Write the proposal's member list (unless known), then compare-and-set the header."""
         h = self.h
         rec = p.record
-        prev = cur.prev if cur is not None else ""
+        prev, kept = (cur.prev, cur.kept) if cur is not None else ("", 0)
         if cur is not None and cur.digest and cur.digest != rec.digest:
             prev = cur.digest
-        rec = dataclasses.replace(rec, seq=h.max_seq + 1, prev=prev)
+            known = isinstance(cur.members, tuple)  # (in memory: the list was readable)
+            kept = kept_of(cur.members, rec.members) if known and rec.members else 0
+        rec = dataclasses.replace(rec, seq=h.max_seq + 1, prev=prev, kept=kept)
         digest = rec.digest
         wrote = False
         if rec.members and (digest not in self.lists or not self._stored(digest)):

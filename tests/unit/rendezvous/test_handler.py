@@ -776,7 +776,7 @@ def test_a_follower_waiting_for_the_first_round_makes_no_request_on_a_quiet_tick
         h.leave()
 
 
-def test_a_new_round_costs_a_follower_the_header_and_its_slice_but_a_touch_reads_the_claim() -> (
+def test_a_new_round_costs_a_follower_the_header_alone_but_a_touch_reads_the_claim() -> (
     None
 ):
     clock = FakeClock()
@@ -794,7 +794,8 @@ def test_a_new_round_costs_a_follower_the_header_and_its_slice_but_a_touch_reads
     spy.keys.clear()
     act = b.step(1)
     assert isinstance(act, Run) and act.round.number == 2
-    assert _reads_of(spy.keys, b.keys) == {"header", "own slice"}
+    # (b keeps its place in the grown list: its slice carries over, no read of it)
+    assert _reads_of(spy.keys, b.keys) == {"header"}
     a._claims.hand_over()  # a leaves gracefully: the claim is vacated, the header touched
     spy.keys.clear()
     b.step(2)
@@ -950,3 +951,64 @@ def test_a_follower_reads_its_round_from_the_copy_but_not_a_copy_older_than_its_
     gated.open.set()
     for h in (a, b):
         h.leave()
+
+
+class SliceReads:
+    """A store counting the slice reads made through it (a store without value-carrying
+    watches: every read is visible)."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner = inner
+        self.slice_reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("get_prefix_at", "watch_values"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def get(self, key: str) -> Entry | None:
+        self.slice_reads += "/s/" in key and key.startswith(Keys("job").data)
+        return self.inner.get(key)
+
+
+def test_members_a_new_list_keeps_in_place_carry_their_slices_over_and_the_others_read_theirs() -> None:
+    """A scale-up appends: the members already there derive their slices of the new list
+    from their old ones (no read); a loss shifts the members after the hole, which read
+    theirs. Every slice, carried or read, is what the new list says."""
+    from flexrun.rendezvous.state import slices_of
+
+    s5 = RendezvousSettings(
+        min_nodes=1, max_nodes=5, last_call_s=0, heartbeat_interval_s=1, heartbeat_timeout_s=3
+    )
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    spies = {n: SliceReads(store) for n in "abcd"}
+    hs = {n: _handler(spies[n], n, clock, s5) for n in "abc"}  # type: ignore[arg-type]
+    hs["a"].step(None)
+    for n in "bc":
+        assert isinstance(hs[n].step(None), Run)
+    assert [spies[n].slice_reads for n in "bc"] == [1, 1]
+    hs["d"] = _handler(spies["d"], "d", clock, s5)  # type: ignore[arg-type]
+    clock.advance(1)
+    _beat(*hs.values())
+    hs["a"].step(1)  # scale-up: [a, b, c, d]
+    runs = {n: hs[n].step(1) for n in "bcd"}
+    assert all(isinstance(r, Run) and r.round.number == 2 for r in runs.values()), runs
+    assert [spies[n].slice_reads for n in "bcd"] == [1, 1, 1]  # b, c carried; d read its own
+    r2 = _round(store)
+    assert r2.kept == 3 and r2.member_ids == ["a", "b", "c", "d"]
+    want = {sl.node_id: sl for sl in slices_of(r2.members)}
+    for n in "bcd":
+        assert hs[n].round is not None and hs[n].round.mine == want[n], n
+    for _ in range(4):  # b is SIGKILLed: no more beats
+        clock.advance(1)
+        _beat(hs["a"], hs["c"], hs["d"])
+        hs["a"].step(2)
+    r3 = _round(store)
+    assert r3.member_ids == ["a", "c", "d"] and r3.kept == 1
+    for n in "cd":
+        act = hs[n].step(2)
+        assert isinstance(act, Run) and act.round.number == r3.number
+    assert [spies[n].slice_reads for n in "cd"] == [2, 2]  # shifted: both read theirs
+    want = {sl.node_id: sl for sl in slices_of(r3.members)}
+    assert hs["c"].round.mine == want["c"] and hs["d"].round.mine == want["d"]  # type: ignore[union-attr]
