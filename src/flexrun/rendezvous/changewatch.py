@@ -73,7 +73,10 @@ class ChangeWatch:
                 self._generation += 1
             if self._copy is not None and (not copy or self._copy[0] != prefix):
                 self._copy = None
-            self._changed = False
+            # A copy that got past ``since`` (events applied after the node read it, before
+            # it armed) is a change the node has not seen: the copy's watch waits for later
+            # events only, so the wake-up is now or never.
+            self._changed = self._copy is not None and self._copy[2] > since
             self._cond.notify_all()
 
     def read(self, key: str) -> tuple[Entry | None, int] | None:

@@ -1012,3 +1012,30 @@ def test_members_a_new_list_keeps_in_place_carry_their_slices_over_and_the_other
     assert [spies[n].slice_reads for n in "cd"] == [2, 2]  # shifted: both read theirs
     want = {sl.node_id: sl for sl in slices_of(r3.members)}
     assert hs["c"].round.mine == want["c"] and hs["d"].round.mine == want["d"]  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(30)
+def test_a_change_the_copy_applied_before_the_node_armed_from_an_older_read_still_wakes_it() -> None:
+    """The copy's watch waits for events after the copy, not after the node's read: a
+    change applied between the node's read of the copy and its arm must wake it then."""
+    from flexrun.rendezvous.changewatch import ChangeWatch
+
+    store = MemoryStore()
+    stop = threading.Event()
+    cw = ChangeWatch(store, stop)
+    store.put("p/a", b"1")
+    cw.arm("p/", 0, copy=True)
+    assert cw.wait(5)  # the copy is read
+    got = cw.read("p/a")
+    assert got is not None and got[0] is not None and got[0].value == b"1"
+    r1 = got[1]
+    cw.arm("p/", r1, copy=True)
+    store.put("p/a", b"2")
+    t0 = time.monotonic()
+    while (cw.read("p/a") or (None, 0))[1] <= r1:  # the copy applies the write
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.01)
+    cw.arm("p/", r1, copy=True)  # the node armed from its read before the write
+    assert cw.wait(0.5)
+    stop.set()
+    cw.close()
