@@ -16,7 +16,8 @@ claim, the master address, read once before and once after rank 0 published it),
 of etcd CPU each (RUN 7 of bench/results/rdzv_scale.txt); from the copy it costs none. A
 copy lags the store by the watch's delivery (as a read does by its round trip): a change
 it has not applied yet wakes the next :meth:`wait`. A broken or compacted watch drops the
-copy (reads go to the store until it is read again).
+copy (reads go to the store until it is read again); a watch that saw nothing for
+``LONG_WAIT_S`` reads the prefix again rather than watch on from an old revision.
 """
 
 from __future__ import annotations
@@ -149,6 +150,20 @@ class ChangeWatch:
             return
         _, values, rev = copy
         events, new_rev = self._watch_values(prefix, rev, LONG_WAIT_S)
+        if events == []:
+            # A quiet prefix: the copy's revision falls behind the store's, and a watch
+            # opened from far back costs etcd a scan of the history since (an "unsynced"
+            # watcher: at 4096 nodes that scan starved the store). Read it again instead:
+            # one small read, and the next watch starts from now.
+            fresh, at = self._prime(prefix)
+            with self._cond:
+                if self._copy is copy:
+                    self._copy = (prefix, dict(fresh), at)
+                    if {k: e.revision for k, e in fresh.items()} != {
+                        k: e.revision for k, e in values.items()
+                    }:
+                        self._wake()
+            return
         with self._cond:
             if self._copy is not copy:
                 return  # dropped or re-armed meanwhile: the next pass starts over

@@ -1039,3 +1039,37 @@ def test_a_change_the_copy_applied_before_the_node_armed_from_an_older_read_stil
     assert cw.wait(0.5)
     stop.set()
     cw.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_quiet_copy_is_read_again_from_now_without_waking_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy whose watch saw nothing for a long wait is read again (its next watch starts
+    from the store's revision, not from an old one that etcd would scan history from);
+    unchanged, it does not wake the node; changed meanwhile, it does."""
+    from flexrun.rendezvous import changewatch
+    from flexrun.rendezvous.changewatch import ChangeWatch
+
+    class EtcdLike(MemoryStore):
+        def watch_values(self, prefix: str, since: int, timeout_s: float) -> object:
+            events, rev = super().watch_values(prefix, since, timeout_s)
+            return (events, rev) if events else (events, since)  # (etcd: no revision on a timeout)
+
+    monkeypatch.setattr(changewatch, "LONG_WAIT_S", 0.2)
+    store = EtcdLike()
+    store.put("p/a", b"1")
+    stop = threading.Event()
+    cw = ChangeWatch(store, stop)
+    cw.arm("p/", 0, copy=True)
+    assert cw.wait(5)
+    got = cw.read("p/a")
+    assert got is not None
+    cw.arm("p/", got[1], copy=True)
+    elsewhere = store.put("q/x", b"0")  # the store's revision moves, the prefix does not
+    t0 = time.monotonic()
+    while (cw.read("p/a") or (None, 0))[1] < elsewhere:  # read again from now
+        assert time.monotonic() - t0 < 5
+        assert not cw.wait(0.05)  # unchanged: no wake-up
+    stop.set()
+    cw.close()
