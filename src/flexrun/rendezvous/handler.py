@@ -84,7 +84,7 @@ class RendezvousHandler:
         self.replayed = False
         self.settle_until = 0.0
         self._since_rev = 0
-        self._high_rev = 0  # the newest revision of the round directory read or written
+        self._high_rev = 0  # the newest header revision this node read or wrote
         self._masters = Masters(self)
         self._claims = Claims(self)
         self._watcher = Watcher(self)
@@ -216,7 +216,6 @@ class RendezvousHandler:
             entry, self._since_rev = copied  # (no request: the round directory's copy)
         else:
             entry, self._since_rev = get_at(self.store, self.keys.round)
-            self._high_rev = max(self._high_rev, self._since_rev)
         read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
         hdr, rev = self._header_of(entry)
         now = self.clock.monotonic()
@@ -237,9 +236,10 @@ class RendezvousHandler:
         return copied[0] if copied is not None else self.store.get(key)
 
     def _copied(self, key: str) -> tuple[Entry | None, int] | None:
-        """``key`` from the copy, unless this node watches, or has read or written the
-        round directory at a later revision than the copy has caught up with (it would
-        take its own header write for a replay)."""
+        """``key`` from the copy, unless this node watches, or has read or written a header
+        newer than the copy has caught up with (it would take its own header write for a
+        replay). (A direct read's store revision does not count: the store's revision runs
+        ahead of a quiet round directory, and the copy would never be read again.)"""
         copied = None if self.watching else self._changes.read(key)
         return copied if copied is not None and copied[1] >= self._high_rev else None
 
