@@ -23,6 +23,7 @@ copy (reads go to the store until it is read again); a watch that saw nothing fo
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,8 @@ from flexrun.store.api import Entry, Event, Store
 log = logging.getLogger("flexrun.rendezvous")
 
 LONG_WAIT_S = 30.0  # one store wait lasts at most this long (then it is renewed)
+JITTER = 0.5  # each node's waits last LONG_WAIT_S x [1, 1 + JITTER): the nodes of a job that
+# joined together do not renew (and, with a copy, read their prefix again) all at once
 RETRY_S = 0.5  # after a failed wait (the store is down): pause, report a change, retry
 
 
@@ -49,6 +52,7 @@ class ChangeWatch:
         self._generation = 0
         self._changed = False
         self._thread: threading.Thread | None = None
+        self._long_wait_s = LONG_WAIT_S * (1 + JITTER * random.random())
         prime: Any = getattr(store, "get_prefix_at", None)
         watch: Any = getattr(store, "watch_values", None)
         self._prime: Callable[[str], tuple[dict[str, Entry], int]] | None = (
@@ -117,7 +121,7 @@ class ChangeWatch:
                 if wanted:
                     self._follow_copy(prefix, copy)
                     continue
-                changed, _ = self._store.wait_for_change(prefix, since, LONG_WAIT_S)
+                changed, _ = self._store.wait_for_change(prefix, since, self._long_wait_s)
             except Exception as exc:  # noqa: BLE001 (a dead watch thread: a node never woken)
                 if isinstance(exc, StoreError):
                     log.debug("watch of %s failed (%s): reporting a change", prefix, exc)
@@ -149,7 +153,7 @@ class ChangeWatch:
                     self._wake()  # (a new copy: the node reads it)
             return
         _, values, rev = copy
-        events, new_rev = self._watch_values(prefix, rev, LONG_WAIT_S)
+        events, new_rev = self._watch_values(prefix, rev, self._long_wait_s)
         if events == []:
             # A quiet prefix: the copy's revision falls behind the store's, and a watch
             # opened from far back costs etcd a scan of the history since (an "unsynced"
