@@ -180,8 +180,8 @@ def count_etcd(store: Any, counter: Counter) -> None:
         post, stream = t.post, t.stream
 
         def counted_post(path: str, payload: Any, timeout_s: float, *, auth: bool = True,
-                         _post: Callable[..., Any] = post) -> Any:
-            result = _post(path, payload, timeout_s, auth=auth)
+                         keep: bool = True, _post: Callable[..., Any] = post) -> Any:
+            result = _post(path, payload, timeout_s, auth=auth, keep=keep)
             counter.add(len(path) + len(json.dumps(payload)) + 120, len(json.dumps(result)) + 100)
             return result
 

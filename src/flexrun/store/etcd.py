@@ -418,10 +418,12 @@ class EtcdStore:
         )
 
     def get_prefix_at(self, prefix: str) -> tuple[dict[str, Entry], int]:
-        """Every key under ``prefix`` and the revision the read saw (one request)."""
-        at, kvs = self._range(prefix or "\0", _range_end(prefix))
-        out = dict(self._entry(kv) for kv in kvs)
-        return {k: out[k] for k in sorted(out) if not k.startswith(_INTERNAL)}, at
+        """Every key under ``prefix`` and the revision the read saw (see the api). One
+        request on a connection closed after it: a watching thread keeps none idle."""
+        payload = {"key": _b64(prefix or "\0"), "range_end": _b64(_range_end(prefix))}
+        result = self._retry(lambda t, s: dict(t.post("/kv/range", payload, s, keep=False)))
+        out = dict(self._entry(kv) for kv in result.get("kvs", []))
+        return {k: out[k] for k in sorted(out) if not k.startswith(_INTERNAL)}, _rev(result)
 
     def watch_values(
         self, prefix: str, since_revision: int, timeout_s: float
@@ -431,13 +433,9 @@ class EtcdStore:
             return [], since_revision
         deadline = self._clock.monotonic() + timeout_s
         request = _watch_request(prefix, since_revision)
-        raw: list[dict[str, Any]] = []
-
-        def op(t: Transport, attempt_s: float) -> tuple[bool, int]:
-            raw.clear()
-            return self._watches.watch(t, request, deadline, since_revision, raw)
-
-        changed, rev = self._retry(op)
+        changed, rev, raw = self._retry(
+            lambda t, attempt_s: self._watches.events(t, request, deadline, since_revision)
+        )
         if changed and not raw:
             return None, since_revision  # compacted: the caller reads the prefix again
         return [(k, e) for k, e in map(event_of, raw) if not k.startswith(_INTERNAL)], rev

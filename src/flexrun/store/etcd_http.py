@@ -111,24 +111,37 @@ class Transport:
         return conn.getresponse()
 
     def post(
-        self, path: str, payload: Mapping[str, Any], timeout_s: float, *, auth: bool = True
+        self,
+        path: str,
+        payload: Mapping[str, Any],
+        timeout_s: float,
+        *,
+        auth: bool = True,
+        keep: bool = True,
     ) -> dict[str, Any]:
-        """One request; the parsed JSON answer.
+        """One request; the parsed JSON answer. ``keep=False``: on a connection of its own,
+        closed after (a thread that asks rarely holds no idle connection to etcd).
 
         Raises:
             Unreachable: no answer (connection failed, timed out, 503).
             EtcdRefused: etcd answered with an error.
         """
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None) if keep else None
         if conn is None:
-            conn = self._local.conn = self._new(timeout_s)
+            conn = self._new(timeout_s)
+            if keep:
+                self._local.conn = conn
         try:
             resp = self._send(conn, path, payload, timeout_s, self.token if auth else None)
             data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
             self._drop(conn)
-            self._local.conn = None
+            if keep:
+                self._local.conn = None
             raise Unreachable(_reason(exc)) from exc
+        finally:
+            if not keep:
+                self._drop(conn)
         if resp.status == 503:
             raise Unreachable(error_text(data) or "503 service unavailable")
         if resp.status != 200:

@@ -154,6 +154,14 @@ class Watches:
             held.stream.close()
             raise
 
+    def events(
+        self, t: Transport, request: Mapping[str, Any], deadline: float, since_revision: int
+    ) -> tuple[bool, int, list[dict[str, Any]]]:
+        """:meth:`watch`, and the events after ``since_revision`` it collected."""
+        out: list[dict[str, Any]] = []
+        changed, rev = self.watch(t, request, deadline, since_revision, out)
+        return changed, rev, out
+
     def _read(
         self,
         held: _Open,
