@@ -78,6 +78,32 @@ def _formed(
     return hs, spies
 
 
+def _sparse_interval(clock: FakeClock, hs: list[RendezvousHandler], spies: list[ClaimReads]) -> None:
+    """One sparse interval of agent ticks in a running round, the claim reads counted from 0."""
+    for s in spies:
+        s.claim_reads = 0
+    for _ in range(int(SPARSE_CHECKS * BASE_S / 0.5)):
+        clock.advance(0.5)
+        for h in hs:
+            h._beat()
+            h.wait(0)
+            h.step(1)
+
+
+def _until_replaced(clock: FakeClock, alive: list[RendezvousHandler]) -> list[RendezvousHandler]:
+    """Tick the survivors of a killed watcher until one of them watches; within its
+    keep-alive timeout and two claim checks."""
+    t_dead = clock.monotonic()
+    while not any(h.watching for h in alive):
+        assert clock.monotonic() - t_dead <= S7.heartbeat_timeout_s + 2 * BASE_S
+        clock.advance(0.5)
+        for h in alive:
+            h._beat()
+            h.wait(0)
+            h.step(1)
+    return alive
+
+
 def test_the_first_group_ranks_check_the_watcher_at_the_full_rate_the_others_ten_times_less() -> None:
     assert claim_check_interval(BASE_S, None) == BASE_S  # no round, no slice, not a member
     assert claim_check_interval(BASE_S, None, EARLY_CHECKS - 1) == BASE_S
@@ -91,14 +117,7 @@ def test_a_running_round_costs_the_followers_outside_the_first_ranks_a_tenth_of_
 ):
     clock = FakeClock()
     hs, spies = _formed(clock)
-    for s in spies:
-        s.claim_reads = 0
-    for _ in range(int(SPARSE_CHECKS * BASE_S / 0.5)):  # one sparse interval of agent ticks
-        clock.advance(0.5)
-        for h in hs:
-            h._beat()
-            h.wait(0)
-            h.step(1)
+    _sparse_interval(clock, hs, spies)
     deputies = [s.claim_reads for s in spies[1 : DEPUTIES + 1]]
     rest = [s.claim_reads for s in spies[DEPUTIES + 1 :]]
     assert min(deputies) >= SPARSE_CHECKS - 1, deputies
@@ -114,14 +133,7 @@ def test_a_killed_watcher_is_replaced_by_a_deputy_within_timeout_plus_two_checks
             h._beat()
             h.step(1)
     # a (the watcher, rank 0) is SIGKILLed: no more beats or steps.
-    t_dead = clock.monotonic()
-    alive = hs[1:]
-    while not any(h.watching for h in alive):
-        assert clock.monotonic() - t_dead <= S7.heartbeat_timeout_s + 2 * BASE_S
-        clock.advance(0.5)
-        for h in alive:
-            h._beat()
-            h.step(1)
+    alive = _until_replaced(clock, hs[1:])
     took_over = [h.me.node_id for h in alive if h.watching]
     assert len(took_over) == 1 and took_over[0] in "bcd", took_over
     new = next(h for h in alive if h.watching)
@@ -209,24 +221,9 @@ def test_where_the_store_carries_values_the_claim_checks_read_the_copy_and_a_dea
             h.wait(0.05)
             assert time.monotonic() - t0 < 5
         h.step(1)
-    for s in spies:
-        s.claim_reads = 0
-    for _ in range(int(SPARSE_CHECKS * BASE_S / 0.5)):  # one sparse interval of agent ticks
-        clock.advance(0.5)
-        for h in hs:
-            h._beat()
-            h.wait(0)
-            h.step(1)
+    _sparse_interval(clock, hs, spies)
     assert [s.claim_reads for s in spies[1:]] == [0] * 6  # (the watcher reads it: a store read)
-    t_dead = clock.monotonic()  # a, the watcher, is SIGKILLed
-    alive = hs[1:]
-    while not any(h.watching for h in alive):
-        assert clock.monotonic() - t_dead <= S7.heartbeat_timeout_s + 2 * BASE_S
-        clock.advance(0.5)
-        for h in alive:
-            h._beat()
-            h.wait(0)
-            h.step(1)
+    alive = _until_replaced(clock, hs[1:])  # a, the watcher, is SIGKILLed
     assert sum(h.watching for h in alive) == 1
     new = next(h for h in alive if h.watching)
     new.step(1)  # proposes the round without a
