@@ -63,11 +63,6 @@ class ChangeWatch:
         # The copy: (prefix, key -> entry, revision it is complete up to); None: none kept.
         self._copy: tuple[str, dict[str, Entry], int] | None = None
 
-    @property
-    def copies(self) -> bool:
-        """Whether this store lets a prefix be kept as a local copy (``arm(copy=True)``)."""
-        return self._prime is not None
-
     def arm(self, prefix: str, since: int, *, copy: bool = False) -> None:
         """The node has read everything up to revision ``since``: watch ``prefix`` from
         there (and keep it as a local copy, where the store allows, with ``copy``)."""
@@ -90,7 +85,7 @@ class ChangeWatch:
         with self._cond:
             if self._copy is None or not key.startswith(self._copy[0]):
                 return None
-            prefix, values, rev = self._copy
+            _, values, rev = self._copy
             return values.get(key), rev
 
     def wait(self, timeout_s: float) -> bool:
