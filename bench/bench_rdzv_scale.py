@@ -191,6 +191,9 @@ class Run:
             agg["max_gap"] = max(agg["max_gap"], got["max_gap"])
             agg["lapsed"] += got["lapsed"]
             agg["failed"] += got["failed"]
+            cpu = agg.setdefault("cpu", {})
+            for kind, seconds in got.get("cpu", {}).items():
+                cpu[kind] = cpu.get(kind, 0.0) + seconds
         elif kind == "joined":
             self.joined[msg[2]] = msg[3]
         elif kind == "error":
@@ -405,6 +408,10 @@ def timeline(run: Run, t0: float, agents: set[int], number: int | None, snap: st
         print(f"      keep-alives: longest gap between two beats of one agent "
               f"{beats['max_gap']:.2f} s, gaps past the timeout {beats['lapsed']:.0f}, failed "
               f"beats {beats['failed']:.0f}", flush=True)
+        cpu = sorted(beats.get("cpu", {}).items(), key=lambda kv: -kv[1])
+        if cpu:
+            print("      harness cpu by thread (all processes, this phase): " + ", ".join(
+                f"{kind} {seconds:.1f} s" for kind, seconds in cpu), flush=True)
 
 
 def fmt(x: float | None, spec: str) -> str:

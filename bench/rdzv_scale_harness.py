@@ -468,6 +468,46 @@ class BeatGaps:
             return out
 
 
+def thread_kind(name: str) -> str:
+    """The harness's name for a kind of thread (``stepper-1`` -> ``stepper``)."""
+    if name == HB_THREAD:
+        return "keep-alive"
+    if name.startswith("flexrun-rdzv-watch"):
+        return "watch"
+    return {"MainThread": "main"}.get(name, name.rsplit("-", 1)[0] if name[-1:].isdigit() else name)
+
+
+class ThreadCpu:
+    """This process's CPU time by kind of thread since the last :meth:`take` (Linux
+    ``/proc/self/task``): where the harness's own time goes. Threads Python did not start
+    (the store clients' native ones) are ``native``; those that exited, ``exited``."""
+
+    def __init__(self) -> None:
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.last: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out: dict[str, float] = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # (it exited meanwhile: counted below)
+            kind = thread_kind(names[int(tid)]) if int(tid) in names else "native"
+            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / self.hz
+        t = os.times()
+        out["exited"] = max(0.0, t.user + t.system - sum(out.values()))
+        return out
+
+    def take(self) -> dict[str, float]:
+        now = self._now()
+        delta = {k: v - self.last.get(k, 0.0) for k, v in now.items()}
+        self.last = {k: max(v, self.last.get(k, 0.0)) for k, v in now.items()}
+        return delta
+
+
 def keepalives(agents: list[Agent], interval_s: float, stop: threading.Event,
                gaps: BeatGaps | None = None) -> None:
     """Every agent's keep-alive once per interval, spread over it."""
@@ -567,6 +607,7 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
         report("error", -1, f"setup: {type(exc).__name__}: {exc}"[:300])
     stop = threading.Event()
     gaps = BeatGaps(cfg["hb_timeout_s"])
+    cpu = ThreadCpu()
     threads = []
     if not torch_mode:
         mine = [agents[a] for a in ids if a in agents]
@@ -600,7 +641,7 @@ def child_main(idx: int, ids: list[int], cfg: dict[str, Any], commands: Any, res
             report("killed", args[0], time.monotonic())
         elif cmd == "snapshot":
             report("snapshot", args[0], {aid: a.counter.snapshot() for aid, a in agents.items()})
-            report("beats", args[0], gaps.take())
+            report("beats", args[0], {**gaps.take(), "cpu": cpu.take()})
         elif cmd == "stop":
             stop.set()
             for a in agents.values():
