@@ -366,7 +366,8 @@ def _row(backend: str, n: int, phase: str, t: float | None, run: Run, a: str, b:
     ops = sorted(cost["ops"].items(), key=lambda kv: -kv[1][0])  # type: ignore[union-attr]
     if ops:
         print("      loop's requests/node (bytes/node) by Store method: " + ", ".join(
-            f"{op} {req / k:.1f} ({nbytes / k:.0f})" for op, (req, nbytes) in ops), flush=True)
+            f"{op} {req / k:.1f} ({nbytes / k:.0f})" + (f" [{req} in all]" if req < k / 10 else "")
+            for op, (req, nbytes) in ops), flush=True)
     for e in run.errors[:3]:
         print(f"      error: {e}", flush=True)
     if run.retry_example:

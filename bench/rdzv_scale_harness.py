@@ -480,23 +480,24 @@ def thread_kind(name: str) -> str:
 class ThreadCpu:
     """This process's CPU time by kind of thread since the last :meth:`take` (Linux
     ``/proc/self/task``): where the harness's own time goes. Threads Python did not start
-    (the store clients' native ones) are ``native``; those that exited, ``exited``."""
+    (the store clients' native ones) are ``native``; those that exited, and the rounding
+    of the process's total (clock ticks), ``exited``."""
 
     def __init__(self) -> None:
-        self.hz = os.sysconf("SC_CLK_TCK")
         self.last: dict[str, float] = {}
 
     def _now(self) -> dict[str, float]:
         names = {t.native_id: t.name for t in threading.enumerate()}
         out: dict[str, float] = {}
         for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+            try:  # (schedstat: nanoseconds; stat's clock ticks would round each of
+                # thousands of nearly idle threads down by up to 10 ms)
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9
             except OSError:
                 continue  # (it exited meanwhile: counted below)
             kind = thread_kind(names[int(tid)]) if int(tid) in names else "native"
-            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / self.hz
+            out[kind] = out.get(kind, 0.0) + seconds
         t = os.times()
         out["exited"] = max(0.0, t.user + t.system - sum(out.values()))
         return out
