@@ -474,7 +474,9 @@ def thread_kind(name: str) -> str:
         return "keep-alive"
     if name.startswith("flexrun-rdzv-watch"):
         return "watch"
-    return {"MainThread": "main"}.get(name, name.rsplit("-", 1)[0] if name[-1:].isdigit() else name)
+    if name == "MainThread":
+        return "main"
+    return name.rsplit("-", 1)[0] if name[-1:].isdigit() else name
 
 
 class ThreadCpu:
@@ -504,8 +506,9 @@ class ThreadCpu:
 
     def take(self) -> dict[str, float]:
         now = self._now()
+        # (a kind whose thread exited since shows less, and "exited" as much more)
         delta = {k: v - self.last.get(k, 0.0) for k, v in now.items()}
-        self.last = {k: max(v, self.last.get(k, 0.0)) for k, v in now.items()}
+        self.last = now
         return delta
 
 
