@@ -114,6 +114,27 @@ class Procs:
     def stderr(self, name: str) -> str:
         return (self.tmp / f"{name}.err").read_text()
 
+    def wait(self, proc: subprocess.Popen[str], timeout: float) -> int:
+        """``proc``'s exit code; past ``timeout``, an AssertionError saying what was still
+        running (each process of its tree with its state), the tail of its stderr and of
+        its run directory's events, so a hang in CI explains itself."""
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        name = getattr(proc, "name", "p")
+        lines = [f"{name} (pid {proc.pid}) still running after {timeout}s; its tree:"]
+        for p in [psutil.Process(proc.pid), *descendants(proc.pid)]:
+            with contextlib.suppress(psutil.Error):
+                cmd = " ".join(p.cmdline())[:160]
+                lines.append(f"  {p.pid} {p.status()} threads={p.num_threads()} {cmd}")
+        for events in sorted(self.tmp.glob(f"**/{name}/events.jsonl")):
+            lines.append(f"last events of {events}:")
+            lines += events.read_text().splitlines()[-12:]
+        lines.append("stderr tail:")
+        lines.append(self.stderr(name)[-3000:])
+        raise AssertionError("\n".join(lines))
+
     def remember_tree(self) -> None:
         for p in self.procs:
             if p.poll() is None:

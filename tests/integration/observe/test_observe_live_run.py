@@ -167,7 +167,7 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
         # 3. SIGTERM to that agent (a preemption)
         t_term = time.time()
         b.send_signal(signal.SIGTERM)
-        assert b.wait(timeout=60) == 143
+        assert procs.wait(b, 60) == 143
         wait_for(
             lambda: 2 in _rounds_after(progress, t_term).values(), 90, "training at world 2 again"
         )
@@ -179,7 +179,7 @@ def test_report_lists_exactly_a_kill_9_a_scale_up_and_a_sigterm_with_their_recov
         )
 
         stop.touch()
-        assert a.wait(timeout=60) == 0, procs.stderr("a")[-3000:]
+        assert procs.wait(a, 60) == 0, procs.stderr("a")[-3000:]
         follower.close()
         final = scrape_metrics(port)
         assert final["flexrun_recovery_duration_seconds_count"] == 3
