@@ -49,6 +49,7 @@ from typing import Any
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import StoreTimeout, StoreUnavailable
 from flexrun.store.api import Entry
+from flexrun.store.tcp_reads import PrefixReads
 from flexrun.store.tcp_server import TcpStoreServer, dist, probe
 from flexrun.store.tcp_watch import (
     _CH_COUNT,
@@ -113,13 +114,9 @@ class TcpStore:
         self._seen_lock = threading.Lock()
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
-        # prefix -> (epoch, revision, key -> raw value): the last get_prefix, brought up to
-        # date from the event log by the next one (only keys written since are fetched)
-        # (the store's epoch is in it: a restarted server has lost the keys it names)
-        self._snapshots: dict[str, tuple[bytes, int, dict[str, bytes]]] = {}
-        self._full_at: dict[str, float] = {}  # prefix -> when it was last read in full
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
         self._log = ChangeLog(self)  # revisions, the event log, watches
+        self._reads = PrefixReads(self)  # get_prefix
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
@@ -253,8 +250,8 @@ class TcpStore:
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         """Every live key under ``prefix``; a repeated call fetches only what was written
-        since the last one (:meth:`flexrun.store.tcp_watch.ChangeLog.read_prefix`)."""
-        raws = self._log.read_prefix(prefix)
+        since the last one (:mod:`flexrun.store.tcp_reads`)."""
+        raws = self._reads.read(prefix)
         out = {}
         for key in sorted(raws):
             entry = self._live(key, raws[key])
@@ -343,9 +340,8 @@ class TcpStore:
         for key in self._call(c.list_keys):
             if key.startswith(prefix) and not key.startswith(_INTERNAL):
                 self._call(c.delete_key, key)
+        self._reads.forget(prefix)
         with self._seen_lock:
-            for p in [p for p in self._snapshots if p.startswith(prefix) or prefix.startswith(p)]:
-                del self._snapshots[p]
             for key in [k for k in self._raw_cache if k.startswith(prefix)]:
                 del self._raw_cache[key]
 

@@ -19,12 +19,11 @@ costs a name per revision; with thousands of writers a wider search cost each re
 than the rest of its reads together). A watch does not depend on it: a write that lands
 late rings late, and a watch without a token waits on the ring after its scan too. A cached
 ``get_prefix`` re-reads everything at least every ``FULL_READ_S``, which bounds how long a
-write that landed later than that stays unseen.
+write that landed later than that stays unseen (:mod:`flexrun.store.tcp_reads`).
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,8 +46,6 @@ TOKENS = 64  # revisions whose ring counts are kept for a later wait_for_change
 # requests a second, nearly as many as their keep-alives (2000 at the default 2 s).
 WAIT_STEP_S = 30.0
 IN_FLIGHT_S = 1.0
-SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
-FULL_READ_S = 5.0  # a kept get_prefix is read in full again at least this often
 BATCH = 512  # keys per multi_get request
 _RECENT = 64  # how many of the newest revisions a cached get_prefix checks for writes in flight
 _NEWEST = 8  # how many revision() checks (a watch does not depend on it, see Precision)
@@ -166,68 +163,6 @@ class ChangeLog:
         if int(self._call(c.add, _REV_KEY, 0)) - oldest >= EVENT_WINDOW // 2:
             return None
         return list(self._call(c.multi_get, names))
-
-    def read_prefix(self, prefix: str) -> dict[str, bytes]:
-        """The raw values of every key under ``prefix``; a repeated call fetches only what
-        was written since the last one (the event log names those keys), not every key
-        again, and everything at least every FULL_READ_S."""
-        c = self._c()
-        client = self.client
-        at = self._revision(_RECENT)  # every write up to here has landed and is logged
-        with self._seen_lock:
-            snap = client._snapshots.get(prefix)
-        raws: dict[str, bytes] | None = None
-        epoch = b""
-        now = self._clock.monotonic()
-        fresh = now - client._full_at.get(prefix, now - FULL_READ_S) < FULL_READ_S
-        if snap is not None and fresh and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
-            epoch = snap[0]
-            raws = self._catch_up(prefix, snap, at)
-        if raws is None:
-            with self._seen_lock:
-                client._full_at[prefix] = now
-            # This server's epoch: created by the first reader, gone if the server restarts.
-            epoch = bytes(self._call(c.compare_set, _EPOCH_KEY, b"", os.urandom(8).hex().encode()))
-            keys = sorted(
-                k
-                for k in self._call(c.list_keys)
-                if k.startswith(prefix) and not k.startswith(_INTERNAL)
-            )
-            raws = {}
-            for i in range(0, len(keys), BATCH):
-                part = keys[i : i + BATCH]
-                raws.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
-        with self._seen_lock:
-            old = client._snapshots.get(prefix)
-            if old is None or old[1] <= at:
-                client._snapshots[prefix] = (epoch, at, raws)
-                if len(client._snapshots) > SNAPSHOTS:
-                    del client._snapshots[next(iter(client._snapshots))]
-        return raws
-
-    def _catch_up(
-        self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
-    ) -> dict[str, bytes] | None:
-        """A snapshot's keys updated to revision ``at``; None: the log cannot tell."""
-        c = self._c()
-        epoch, since, raws = snap
-        names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in range(since + 1, at + 1)]
-        if not self._call(c.check, names):
-            return None  # a restarted server, a revision abandoned by a dead writer
-        got = self._fetch_events(since + 1, names)
-        if got is None or bytes(got[0]) != epoch:
-            return None  # a restarted server that has been written to since
-        logged = {bytes(k).decode() for k in got[1:]}
-        changed = sorted(
-            k for k in logged if k and k.startswith(prefix) and not k.startswith(_INTERNAL)
-        )
-        if not changed:
-            return raws
-        out = dict(raws)
-        for i in range(0, len(changed), BATCH):
-            part = changed[i : i + BATCH]
-            out.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
-        return out
 
     # -- waiting ----------------------------------------------------------------------------
     def wait_for_change(

@@ -1,0 +1,171 @@
+"""The tcp store's ``get_prefix``: incremental reads from the event log, full reads now
+and then, and what several prefixes' reads share.
+
+Owns the last read of each prefix (its raw values and the revision they are complete up
+to). A repeated read fetches only the keys the event log names since then; everything is
+read again at least every ``FULL_READ_S`` (see Precision in :mod:`flexrun.store.tcp_watch`),
+or when the log cannot tell (a restarted server, a revision abandoned by a dead writer, a
+log that moved on past half its window).
+
+Shared reads. The watcher reads three prefixes a step (node records, keep-alives, asks),
+whose incremental reads cover the same revisions and whose full reads fall due together.
+One listing of the server's keys serves the full reads of every prefix for ``LISTING_S``
+(a listing names every key on the server: ~0.7 MB at 4096 nodes, three of them every
+``FULL_READ_S`` were the largest share of a 4096-node round's bytes, RUN 10 of
+bench/results/rdzv_scale.txt); a prefix read from an older listing is brought up to date
+from the event log like any cached read. The keys named by the event log are kept for the
+newest revisions, so each revision's name is fetched once, not once per prefix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from flexrun.store.tcp_watch import _EPOCH_KEY, _EV_PREFIX, _INTERNAL, _RECENT, BATCH, EVENT_WINDOW
+
+if TYPE_CHECKING:
+    from flexrun.store.tcp import TcpStore
+
+SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
+FULL_READ_S = 5.0  # a kept get_prefix is read in full again at least this often
+LISTING_S = 1.0  # a listing of the server's keys serves full reads of other prefixes this long
+
+
+class PrefixReads:
+    """The ``get_prefix`` reads of one :class:`~flexrun.store.tcp.TcpStore` client."""
+
+    def __init__(self, client: TcpStore) -> None:
+        self._client = client
+        self._log = client._log
+        self._clock = client._clock
+        self._lock = client._seen_lock
+        # prefix -> (server epoch, revision, key -> raw value): the last read, brought up to
+        # date from the event log by the next one (a restarted server has another epoch)
+        self._snapshots: dict[str, tuple[bytes, int, dict[str, bytes]]] = {}
+        self._full_at: dict[str, float] = {}  # prefix -> when it was last read in full
+        # The last listing of the server's keys: (epoch, revision, when, keys but internal).
+        self._listing: tuple[bytes, int, float, list[str]] | None = None
+        # Keys the event log named for recent revisions, and the server epoch they are of.
+        self._names: dict[int, str] = {}
+        self._names_epoch = b""
+
+    def _c(self) -> Any:
+        return self._client._c()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        return self._client._call(fn, *args)
+
+    def forget(self, prefix: str) -> None:
+        """Keys under ``prefix`` were removed from the server without events: forget every
+        read that may name them."""
+        with self._lock:
+            self._listing = None
+            for p in [p for p in self._snapshots if p.startswith(prefix) or prefix.startswith(p)]:
+                del self._snapshots[p]
+
+    def read(self, prefix: str) -> dict[str, bytes]:
+        """The raw values of every key under ``prefix``; a repeated call fetches only what
+        was written since the last one (the event log names those keys), not every key
+        again, and everything at least every FULL_READ_S (from a listing of the server's
+        keys shared with other prefixes' full reads, see Shared reads)."""
+        at = self._log._revision(_RECENT)  # every write up to here has landed and is logged
+        with self._lock:
+            snap = self._snapshots.get(prefix)
+        raws: dict[str, bytes] | None = None
+        epoch = b""
+        now = self._clock.monotonic()
+        fresh = now - self._full_at.get(prefix, now - FULL_READ_S) < FULL_READ_S
+        if snap is not None and fresh and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
+            epoch = snap[0]
+            raws = self._catch_up(prefix, snap, at)
+        if raws is None:
+            with self._lock:
+                self._full_at[prefix] = now
+            epoch, raws = self._full_read(prefix, at, now)
+        with self._lock:
+            old = self._snapshots.get(prefix)
+            if old is None or old[1] <= at:
+                self._snapshots[prefix] = (epoch, at, raws)
+                if len(self._snapshots) > SNAPSHOTS:
+                    del self._snapshots[next(iter(self._snapshots))]
+        return raws
+
+    def _full_read(self, prefix: str, at: int, now: float) -> tuple[bytes, dict[str, bytes]]:
+        """Every key under ``prefix`` as of revision ``at``, and the server's epoch: from the
+        listing another prefix's full read made within LISTING_S (then brought up to ``at``
+        from the event log), else from a new listing."""
+        c = self._c()
+        # This server's epoch: created by the first reader, gone if the server restarts.
+        epoch = bytes(self._call(c.compare_set, _EPOCH_KEY, b"", os.urandom(8).hex().encode()))
+        with self._lock:
+            listing = self._listing
+        if listing is not None and (
+            listing[0] != epoch
+            or now - listing[2] >= LISTING_S
+            or not 0 <= at - listing[1] <= EVENT_WINDOW // 2
+        ):
+            listing = None
+        if listing is not None:
+            raws = self._catch_up(prefix, (epoch, listing[1], self._values(prefix, listing[3])), at)
+            if raws is not None:
+                return epoch, raws
+        keys = [k for k in self._call(c.list_keys) if not k.startswith(_INTERNAL)]
+        with self._lock:
+            self._listing = (epoch, at, now, keys)
+        return epoch, self._values(prefix, keys)
+
+    def _values(self, prefix: str, listed: list[str]) -> dict[str, bytes]:
+        """The raw values of the ``listed`` keys under ``prefix`` (BATCH keys a request)."""
+        c = self._c()
+        keys = sorted(k for k in listed if k.startswith(prefix))
+        raws: dict[str, bytes] = {}
+        for i in range(0, len(keys), BATCH):
+            part = keys[i : i + BATCH]
+            raws.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
+        return raws
+
+    def _catch_up(
+        self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
+    ) -> dict[str, bytes] | None:
+        """A snapshot's keys updated to revision ``at``; None: the log cannot tell. The
+        event log's names of revisions another read fetched already are not fetched again."""
+        c = self._c()
+        epoch, since, raws = snap
+        with self._lock:
+            known = self._names if self._names_epoch == epoch else {}
+            wanted = [r for r in range(since + 1, at + 1) if r not in known]
+            logged = [known[r] for r in range(since + 1, at + 1) if r in known]
+        names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in wanted]
+        if not self._call(c.check, names):
+            return None  # a restarted server, a revision abandoned by a dead writer
+        got = self._log._fetch_events(wanted[0] if wanted else at, names)
+        if got is None or bytes(got[0]) != epoch:
+            return None  # a restarted server that has been written to since
+        fetched = [bytes(k).decode() for k in got[1:]]
+        self._keep_names(epoch, dict(zip(wanted, fetched, strict=True)), at)
+        changed = sorted(
+            k
+            for k in (*logged, *fetched)
+            if k and k.startswith(prefix) and not k.startswith(_INTERNAL)
+        )
+        if not changed:
+            return raws
+        out = dict(raws)
+        for i in range(0, len(changed), BATCH):
+            part = changed[i : i + BATCH]
+            out.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
+        return out
+
+    def _keep_names(self, epoch: bytes, names: dict[int, str], at: int) -> None:
+        """Remember the keys the event log named (those older than half a window go)."""
+        with self._lock:
+            if self._names_epoch != epoch:
+                self._names, self._names_epoch = {}, epoch
+            self._names.update(names)
+            if len(self._names) > EVENT_WINDOW // 2:
+                floor = at - EVENT_WINDOW // 2
+                self._names = {r: k for r, k in self._names.items() if r > floor}
+
+
+__all__ = ["FULL_READ_S", "LISTING_S", "PrefixReads"]
