@@ -116,9 +116,12 @@ class PrefixReads:
         return epoch, self._values(prefix, keys)
 
     def _values(self, prefix: str, listed: list[str]) -> dict[str, bytes]:
-        """The raw values of the ``listed`` keys under ``prefix`` (BATCH keys a request)."""
+        """The raw values of the ``listed`` keys under ``prefix``."""
+        return self._get_many(sorted(k for k in listed if k.startswith(prefix)))
+
+    def _get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """The raw values of ``keys``, which exist (BATCH keys a request)."""
         c = self._c()
-        keys = sorted(k for k in listed if k.startswith(prefix))
         raws: dict[str, bytes] = {}
         for i in range(0, len(keys), BATCH):
             part = keys[i : i + BATCH]
@@ -149,13 +152,7 @@ class PrefixReads:
             for k in (*logged, *fetched)
             if k and k.startswith(prefix) and not k.startswith(_INTERNAL)
         )
-        if not changed:
-            return raws
-        out = dict(raws)
-        for i in range(0, len(changed), BATCH):
-            part = changed[i : i + BATCH]
-            out.update(zip(part, map(bytes, self._call(c.multi_get, part)), strict=True))
-        return out
+        return {**raws, **self._get_many(changed)} if changed else raws
 
     def _keep_names(self, epoch: bytes, names: dict[int, str], at: int) -> None:
         """Remember the keys the event log named (those older than half a window go)."""
