@@ -124,7 +124,10 @@ class Procs:
             pass
         name = getattr(proc, "name", "p")
         lines = [f"{name} (pid {proc.pid}) still running after {timeout}s; its tree:"]
-        for p in [psutil.Process(proc.pid), *descendants(proc.pid)]:
+        tree: list[psutil.Process] = []
+        with contextlib.suppress(psutil.Error):  # (it may end while this looks)
+            tree = [psutil.Process(proc.pid), *descendants(proc.pid)]
+        for p in tree:
             with contextlib.suppress(psutil.Error):
                 cmd = " ".join(p.cmdline())[:160]
                 lines.append(f"  {p.pid} {p.status()} threads={p.num_threads()} {cmd}")

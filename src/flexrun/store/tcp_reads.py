@@ -135,10 +135,15 @@ class PrefixReads:
         event log's names of revisions another read fetched already are not fetched again."""
         c = self._c()
         epoch, since, raws = snap
+        wanted: list[int] = []
+        logged: list[str] = []
         with self._lock:
             known = self._names if self._names_epoch == epoch else {}
-            wanted = [r for r in range(since + 1, at + 1) if r not in known]
-            logged = [known[r] for r in range(since + 1, at + 1) if r in known]
+            for r in range(since + 1, at + 1):
+                if r in known:
+                    logged.append(known[r])
+                else:
+                    wanted.append(r)
         names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in wanted]
         if not self._call(c.check, names):
             return None  # a restarted server, a revision abandoned by a dead writer
@@ -155,13 +160,14 @@ class PrefixReads:
         return {**raws, **self._get_many(changed)} if changed else raws
 
     def _keep_names(self, epoch: bytes, names: dict[int, str], at: int) -> None:
-        """Remember the keys the event log named (those older than half a window go)."""
+        """Remember the keys the event log named; past half a window of them, those older
+        than a quarter window go (at once: not one rebuild per catch-up from then on)."""
         with self._lock:
             if self._names_epoch != epoch:
                 self._names, self._names_epoch = {}, epoch
             self._names.update(names)
             if len(self._names) > EVENT_WINDOW // 2:
-                floor = at - EVENT_WINDOW // 2
+                floor = at - EVENT_WINDOW // 4
                 self._names = {r: k for r, k in self._names.items() if r > floor}
 
 
