@@ -205,11 +205,17 @@ class RendezvousHandler:
 
         Returns the decided action; a performed proposal returns ``Wait`` so the caller
         reads again (whether or not it won). A follower whose last :meth:`wait` saw no
-        change decides from what it read before, without a request.
+        change decides from what it read before, without a request (when its claim check
+        is due, with the watcher's keep-alive alone).
         """
         now = self.clock.monotonic()
         quiet, self._quiet = self._quiet, False
-        if quiet and not self.watching and not self._claims.due(now) and self._follower.settled(self._claims):
+        if (
+            quiet
+            and not self.watching
+            and self._follower.settled(self._claims)
+            and (not self._claims.due(now) or self._claims.quiet_check(now))
+        ):
             return self._checked(self._follower.again(running), running, now)
         copied = self._copied(self.keys.round)
         if copied is not None:
