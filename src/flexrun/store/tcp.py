@@ -15,8 +15,9 @@ under a reader; only :meth:`TcpStore.delete_prefix`, for keys nobody reads any m
 removes keys from the server (without change events).
 
 Change notification. After each write attempt the writer sets ``__flexrun/ev/<rev>`` to
-the key it wrote (empty if the CAS lost): the event log, read in batches by watchers to
-learn which keys changed. Old event keys are deleted once they fall ``EVENT_WINDOW``
+the key it wrote and a digest of the value without its revision (empty if the CAS lost):
+the event log, read in batches by watchers to learn which keys changed (and, from the
+digest, which were rewritten unchanged, as keep-alives are: :mod:`flexrun.store.tcp_reads`). Old event keys are deleted once they fall ``EVENT_WINDOW``
 revisions behind. A write of ``a/b/c`` then rings the *channel* of each directory above
 the key (``a/`` and ``a/b/``) that someone watches: a per-directory counter
 ``__flexrun/chn/<dir>`` (``add``) and a key ``__flexrun/ch/<dir><n>`` that the write
@@ -61,6 +62,7 @@ from flexrun.store.tcp_watch import (
     EVENT_WINDOW,
     ChangeLog,
     dir_of,
+    event,
 )
 
 _WATCHED_KEY = "__flexrun/watched"
@@ -182,10 +184,13 @@ class TcpStore:
             if n > CHANNEL_WINDOW:
                 self._call(c.delete_key, f"{_CH_PREFIX}{d}{n - CHANNEL_WINDOW}")
 
-    def _notify(self, rev: int, key: str, *, logged: bool = False) -> None:
-        """Log the write of ``key`` at ``rev`` (unless ``logged``), then ring its channels."""
+    def _notify(
+        self, rev: int, key: str, *, logged: bool = False, raw: bytes | None = None
+    ) -> None:
+        """Log the write of ``raw`` to ``key`` at ``rev`` (unless ``logged``), then ring its
+        channels."""
         if not logged:
-            self._call(self._c().set, f"{_EV_PREFIX}{rev}", key)
+            self._call(self._c().set, f"{_EV_PREFIX}{rev}", event(key, raw))
         self._prune(range(rev, rev + 1))
         if key:
             self._ring([key])
@@ -263,7 +268,7 @@ class TcpStore:
         rev = self._next_rev()
         raw = _encode(rev, ttl_s, bytes(value))
         # One request sets the value and logs the event (the server applies them in order).
-        self._call(self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [raw, key.encode()])
+        self._call(self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [raw, event(key, raw)])
         self._remember(key, raw)
         self._notify(rev, key, logged=True)
         return rev
@@ -281,8 +286,9 @@ class TcpStore:
             names: list[str] = []
             values: list[bytes] = []
             for j, key in enumerate(keys[i : i + BATCH], start=first + i):
+                raw = _encode(j, None, bytes(items[key]))
                 names += [key, f"{_EV_PREFIX}{j}"]
-                values += [_encode(j, None, bytes(items[key])), key.encode()]
+                values += [raw, event(key, raw)]
             self._call(c.multi_set, names, values)
         self._prune(range(first, last + 1))
         self._ring(keys)
@@ -309,7 +315,7 @@ class TcpStore:
             # (A loss forgets the kept value: the next attempt reads the key first.)
             self._remember(key, new_raw if ok else None)
         finally:
-            self._notify(rev, key if ok else "")
+            self._notify(rev, key if ok else "", raw=new_raw)
         return (True, Entry(bytes(value), rev)) if ok else (False, None)
 
     @staticmethod
@@ -326,7 +332,7 @@ class TcpStore:
             return
         rev = self._next_rev()
         tomb = f"{rev} x\n".encode()
-        self._call(self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [tomb, key.encode()])
+        self._call(self._c().multi_set, [key, f"{_EV_PREFIX}{rev}"], [tomb, event(key, tomb)])
         self._remember(key, tomb)
         self._notify(rev, key, logged=True)
 

@@ -2,10 +2,15 @@
 and then, and what several prefixes' reads share.
 
 Owns the last read of each prefix (its raw values and the revision they are complete up
-to). A repeated read fetches only the keys the event log names since then; everything is
-read again at least every ``FULL_READ_S`` (see Precision in :mod:`flexrun.store.tcp_watch`),
-or when the log cannot tell (a restarted server, a revision abandoned by a dead writer, a
-log that moved on past half its window).
+to). A repeated read fetches only the keys the event log names since then, after checking
+that each of those revisions has landed; a full read is taken at a revision below which every
+write has landed (searched for writes in flight as far back as ``PRECISE`` revisions), so the
+reads that follow it miss no write in flight during it. Everything is read again when the log
+cannot tell (a restarted server, a revision abandoned by a dead writer, a log that moved on
+past half its window), and at least every ``FULL_READ_S`` (for writes in flight longer than
+that search reaches, see Precision in :mod:`flexrun.store.tcp_watch`): 5 s before the full
+reads were precise, which cost the watcher of 4096 nodes a listing and 4096 values every 5 s,
+a third of a formation's bytes (RUN 11 of bench/results/rdzv_scale.txt).
 
 Shared reads. The watcher reads three prefixes a step (node records, keep-alives, asks),
 whose incremental reads cover the same revisions and whose full reads fall due together.
@@ -22,13 +27,23 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from flexrun.store.tcp_watch import _EPOCH_KEY, _EV_PREFIX, _INTERNAL, _RECENT, BATCH, EVENT_WINDOW
+from flexrun.store.tcp_watch import (
+    _EPOCH_KEY,
+    _EV_PREFIX,
+    _INTERNAL,
+    _RECENT,
+    BATCH,
+    EVENT_WINDOW,
+    PRECISE,
+    content_digest,
+    event_key,
+)
 
 if TYPE_CHECKING:
     from flexrun.store.tcp import TcpStore
 
 SNAPSHOTS = 16  # prefixes whose last get_prefix is kept for an incremental re-read
-FULL_READ_S = 5.0  # a kept get_prefix is read in full again at least this often
+FULL_READ_S = 60.0  # a kept get_prefix is read in full again at least this often
 LISTING_S = 1.0  # a listing of the server's keys serves full reads of other prefixes this long
 
 
@@ -47,7 +62,7 @@ class PrefixReads:
         # The last listing of the server's keys: (epoch, revision, when, keys but internal).
         self._listing: tuple[bytes, int, float, list[str]] | None = None
         # Keys the event log named for recent revisions, and the server epoch they are of.
-        self._names: dict[int, str] = {}
+        self._names: dict[int, tuple[str, bytes | None]] = {}  # revision -> (key, digest)
         self._names_epoch = b""
 
     def _c(self) -> Any:
@@ -82,6 +97,7 @@ class PrefixReads:
         if raws is None:
             with self._lock:
                 self._full_at[prefix] = now
+            at = self._log._revision(PRECISE)  # (below it, nothing is in flight: see above)
             epoch, raws = self._full_read(prefix, at, now)
         with self._lock:
             old = self._snapshots.get(prefix)
@@ -132,16 +148,18 @@ class PrefixReads:
         self, prefix: str, snap: tuple[bytes, int, dict[str, bytes]], at: int
     ) -> dict[str, bytes] | None:
         """A snapshot's keys updated to revision ``at``; None: the log cannot tell. The
-        event log's names of revisions another read fetched already are not fetched again."""
+        event log's names of revisions another read fetched already are not fetched again,
+        and a key whose newest event's digest matches the value kept (a keep-alive renewed
+        unchanged) is rebuilt at its new revision without a read of its value."""
         c = self._c()
         epoch, since, raws = snap
         wanted: list[int] = []
-        logged: list[str] = []
+        events: dict[int, tuple[str, bytes | None]] = {}
         with self._lock:
             known = self._names if self._names_epoch == epoch else {}
             for r in range(since + 1, at + 1):
                 if r in known:
-                    logged.append(known[r])
+                    events[r] = known[r]
                 else:
                     wanted.append(r)
         names = [_EPOCH_KEY] + [f"{_EV_PREFIX}{r}" for r in wanted]
@@ -150,16 +168,29 @@ class PrefixReads:
         got = self._log._fetch_events(wanted[0] if wanted else at, names)
         if got is None or bytes(got[0]) != epoch:
             return None  # a restarted server that has been written to since
-        fetched = [bytes(k).decode() for k in got[1:]]
-        self._keep_names(epoch, dict(zip(wanted, fetched, strict=True)), at)
-        changed = sorted(
-            k
-            for k in (*logged, *fetched)
-            if k and k.startswith(prefix) and not k.startswith(_INTERNAL)
-        )
-        return {**raws, **self._get_many(changed)} if changed else raws
+        fetched = dict(zip(wanted, (event_key(bytes(v)) for v in got[1:]), strict=True))
+        self._keep_names(epoch, fetched, at)
+        events.update(fetched)
+        newest: dict[str, tuple[int, bytes | None]] = {}
+        for r in sorted(events):
+            key, digest = events[r]
+            if key and key.startswith(prefix) and not key.startswith(_INTERNAL):
+                newest[key] = (r, digest)
+        out = dict(raws)
+        unknown: list[str] = []
+        for key, (r, digest) in newest.items():
+            kept = raws.get(key)
+            if digest is not None and kept is not None and content_digest(kept) == digest:
+                out[key] = f"{r} ".encode() + kept.partition(b" ")[2]
+            else:
+                unknown.append(key)
+        if unknown:
+            out.update(self._get_many(sorted(unknown)))
+        return out
 
-    def _keep_names(self, epoch: bytes, names: dict[int, str], at: int) -> None:
+    def _keep_names(
+        self, epoch: bytes, names: dict[int, tuple[str, bytes | None]], at: int
+    ) -> None:
         """Remember the keys the event log named; past half a window of them, those older
         than a quarter window go (at once: not one rebuild per catch-up from then on)."""
         with self._lock:

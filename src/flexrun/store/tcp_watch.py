@@ -18,12 +18,16 @@ Precision. :meth:`ChangeLog.revision` looks for writes still in flight among the
 costs a name per revision; with thousands of writers a wider search cost each reader more
 than the rest of its reads together). A watch does not depend on it: a write that lands
 late rings late, and a watch without a token waits on the ring after its scan too. A cached
-``get_prefix`` re-reads everything at least every ``FULL_READ_S``, which bounds how long a
-write that landed later than that stays unseen (:mod:`flexrun.store.tcp_reads`).
+``get_prefix`` needs no search beyond that: a full read searches the newest ``PRECISE``
+revisions not yet known to have landed (once per revision and client), and a repeated read
+checks every revision it catches up over. A write in flight for longer than ``PRECISE``
+revisions (or abandoned and landing after ``IN_FLIGHT_S``) stays unseen until the next full
+read, at least every ``FULL_READ_S`` (:mod:`flexrun.store.tcp_reads`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -49,6 +53,28 @@ IN_FLIGHT_S = 1.0
 BATCH = 512  # keys per multi_get request
 _RECENT = 64  # how many of the newest revisions a cached get_prefix checks for writes in flight
 _NEWEST = 8  # how many revision() checks (a watch does not depend on it, see Precision)
+PRECISE = EVENT_WINDOW // 2  # how far back a full get_prefix looks for writes in flight
+
+
+def event(key: str, raw: bytes | None) -> bytes:
+    """The event log's entry for a write of ``raw`` to ``key``: the key, and a digest of
+    what the value holds besides its revision, with which a reader that has the key's
+    previous value can tell a renewal of it (a keep-alive) and rebuild it without reading
+    it. Empty for a lost compare-and-set; without a digest when ``raw`` is not given."""
+    if not key:
+        return b""
+    return key.encode() if raw is None else key.encode() + b"\n" + content_digest(raw)
+
+
+def content_digest(raw: bytes) -> bytes:
+    """A digest of a raw value without its revision (``<rev> <ttl>\n<payload>``)."""
+    return hashlib.blake2b(raw.partition(b" ")[2], digest_size=8).hexdigest().encode()
+
+
+def event_key(logged: bytes) -> tuple[str, bytes | None]:
+    """The key an event log entry names, and its digest (None: not given)."""
+    key, sep, digest = logged.rpartition(b"\n")
+    return (key.decode(), digest) if sep else (logged.decode(), None)
 
 
 def dir_of(prefix: str) -> str:
@@ -106,9 +132,12 @@ class ChangeLog:
             if current < self._complete:
                 self._complete = 0  # a restarted server counts from 1 again
             lo = max(1, current - window + 1, self._complete + 1 if precise else 1)
+            # What the search covered is complete if it reached the last complete revision
+            # (a search PRECISE deep: what it did not reach is taken as landed).
+            covers = precise and (lo <= self._complete + 1 or window >= PRECISE)
         rev = self._logged_up_to(lo, current, self._in_flight)
         with self._seen_lock:
-            if precise:
+            if covers:
                 self._complete = max(self._complete, rev)
             if rings:
                 self._tokens[rev] = rings
@@ -224,7 +253,7 @@ class ChangeLog:
                 got = self._fetch_events(seen + 1, names) if names else []
                 if got is None:
                     return True, self.revision()  # the log moved on under us: report a change
-                keys = [bytes(v).decode() for v in got]
+                keys = [event_key(bytes(v))[0] for v in got]
                 if any(k and k.startswith(prefix) for k in keys):
                     return True, self.revision()
                 seen = complete

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from flexrun.errors import StoreUnavailable
 from flexrun.store.tcp import TcpStore, TcpStoreServer, _encode
+from flexrun.store.tcp_watch import _RECENT, event_key
 
 
 @pytest.mark.timeout(60)
@@ -151,7 +153,7 @@ def test_event_reads_give_up_when_writers_may_prune_the_oldest_under_them() -> N
         first = writer.put("other/k", b"0")
         names = [f"{_EV_PREFIX}{first}"]
         got = reader._fetch_events(first, names)
-        assert got is not None and bytes(got[0]) == b"other/k"
+        assert got is not None and event_key(bytes(got[0]))[0] == "other/k"
         for i in range(EVENT_WINDOW // 2):
             writer.put("other/k", str(i).encode())
         assert reader._fetch_events(first, names) is None
@@ -163,4 +165,58 @@ def test_event_reads_give_up_when_writers_may_prune_the_oldest_under_them() -> N
     finally:
         reader.close()
         writer.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_read_after_a_full_read_sees_a_write_in_flight_during_it_however_old() -> None:
+    """A write whose revision was taken before a burst of later writes (older than the
+    newest revisions an ordinary revision() searches) and that lands after a full
+    get_prefix: the next get_prefix sees it, without waiting for the next full read."""
+    server = TcpStoreServer("127.0.0.1", 0)
+    writer = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    reader = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    try:
+        writer.put("s/k", b"old")
+        rev = writer._next_rev()  # the slow writer takes its revision ...
+        for i in range(3 * _RECENT):  # ... others write on meanwhile
+            writer.put(f"s/other{i}", b"x")
+        first = reader.get_prefix("s/")  # a full read while the write is in flight
+        assert first["s/k"].value == b"old"
+        writer._call(writer._c().set, "s/k", _encode(rev, None, b"new"))  # it lands
+        writer._notify(rev, "s/k")
+        writer.put("s/later", b"y")
+        again = reader.get_prefix("s/")  # a repeated read: the event log, not a full read
+        assert again["s/later"].value == b"y"
+        assert again["s/k"].value == b"new"
+    finally:
+        reader.close()
+        writer.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_repeated_reads_do_not_list_the_servers_keys_again_within_the_full_read_interval() -> None:
+    """A watcher reads its prefixes every step: past the first, a read fetches only what
+    the event log names (a listing names every key on the server)."""
+    server = TcpStoreServer("127.0.0.1", 0)
+    store = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    listings = []
+    inner = store._call
+
+    def counted(fn: Any, *args: Any) -> Any:
+        if getattr(fn, "__name__", "") == "list_keys":
+            listings.append(time.monotonic())
+        return inner(fn, *args)
+
+    store._call = counted  # type: ignore[method-assign]
+    try:
+        for i in range(50):
+            store.put(f"s/k{i % 7}", str(i).encode())
+            got = store.get_prefix("s/")
+            assert got[f"s/k{i % 7}"].value == str(i).encode()
+            time.sleep(0.2)  # 10 s in all: past the old 5 s re-read, within FULL_READ_S
+        assert len(listings) == 1, listings
+    finally:
+        store.close()
         server.close()

@@ -91,3 +91,35 @@ def test_a_shared_listing_forgets_keys_a_delete_prefix_removed(store: TcpStore) 
     # (a listing naming the removed keys would block on their values until the op timeout)
     assert store.get_prefix("job/r/") == {}
     assert _values(store.get_prefix("job/nodes/")) == {"job/nodes/n": b"n"}
+
+
+@pytest.mark.timeout(60)
+def test_a_key_rewritten_unchanged_is_taken_from_the_event_log_a_changed_one_is_read() -> None:
+    """A keep-alive renewed with the same value and TTL: a reader that has the value
+    rebuilds it at its new revision from the event's digest, without reading it; a
+    changed value, TTL or a delete is read (and a reader new to the key reads it)."""
+    server = TcpStoreServer("127.0.0.1", 0)
+    writer = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    reader = TcpStore("127.0.0.1", server.port, connect_timeout_s=5)
+    try:
+        for i in range(4):
+            writer.put(f"job/hb/{i}", b"record", ttl_s=5)
+        first = reader.get_prefix("job/hb/")
+        calls = Calls(reader)
+        renewed = writer.put("job/hb/0", b"record", ttl_s=5)
+        writer.put("job/hb/1", b"other record", ttl_s=5)
+        writer.put("job/hb/2", b"record", ttl_s=9)
+        writer.delete("job/hb/3")
+        writer.put("job/hb/new", b"record", ttl_s=5)
+        got = reader.get_prefix("job/hb/")
+        read = {n for (kind, n) in calls.names if kind == "multi_get" and n.startswith("job/")}
+        assert read == {"job/hb/1", "job/hb/2", "job/hb/3", "job/hb/new"}
+        assert got["job/hb/0"].value == b"record"
+        assert got["job/hb/0"].revision == renewed > first["job/hb/0"].revision
+        assert got["job/hb/1"].value == b"other record"
+        assert set(got) == {"job/hb/0", "job/hb/1", "job/hb/2", "job/hb/new"}
+        assert reader.get("job/hb/0") == got["job/hb/0"]  # (what a plain read returns)
+    finally:
+        reader.close()
+        writer.close()
+        server.close()
