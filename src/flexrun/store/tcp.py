@@ -17,9 +17,10 @@ removes keys from the server (without change events).
 Change notification. After each write attempt the writer sets ``__flexrun/ev/<rev>`` to
 the key it wrote and a digest of the value without its revision (empty if the CAS lost):
 the event log, read in batches by watchers to learn which keys changed (and, from the
-digest, which were rewritten unchanged, as keep-alives are: :mod:`flexrun.store.tcp_reads`). Old event keys are deleted once they fall ``EVENT_WINDOW``
-revisions behind. A write of ``a/b/c`` then rings the *channel* of each directory above
-the key (``a/`` and ``a/b/``) that someone watches: a per-directory counter
+digest, which were rewritten unchanged, as keep-alives are: :mod:`flexrun.store.tcp_reads`).
+Old event keys are deleted once they fall ``EVENT_WINDOW`` revisions behind. A write of
+``a/b/c`` then rings the *channel* of each directory above the key (``a/`` and ``a/b/``)
+that someone watches: a per-directory counter
 ``__flexrun/chn/<dir>`` (``add``) and a key ``__flexrun/ch/<dir><n>`` that the write
 creates. Watched directories are listed in one small key, ``__flexrun/watched``, which a
 watcher extends (compare-and-set) the first time it watches a directory and every writer

@@ -8,9 +8,9 @@ write has landed (searched for writes in flight as far back as ``PRECISE`` revis
 reads that follow it miss no write in flight during it. Everything is read again when the log
 cannot tell (a restarted server, a revision abandoned by a dead writer, a log that moved on
 past half its window), and at least every ``FULL_READ_S`` (for writes in flight longer than
-that search reaches, see Precision in :mod:`flexrun.store.tcp_watch`): 5 s before the full
-reads were precise, which cost the watcher of 4096 nodes a listing and 4096 values every 5 s,
-a third of a formation's bytes (RUN 11 of bench/results/rdzv_scale.txt).
+that search reaches, see Precision in :mod:`flexrun.store.tcp_watch`): it was 5 s before the
+full reads were precise, and at 4096 nodes 5 of a formation's 7 full reads of each prefix (a
+listing and 4096 values each) were those (RUN 11.3 of bench/results/rdzv_scale.txt).
 
 Shared reads. The watcher reads three prefixes a step (node records, keep-alives, asks),
 whose incremental reads cover the same revisions and whose full reads fall due together.
