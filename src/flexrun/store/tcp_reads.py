@@ -180,10 +180,10 @@ class PrefixReads:
         unknown: list[str] = []
         for key, (r, digest) in newest.items():
             kept = raws.get(key)
-            if digest is not None and kept is not None and content_digest(kept) == digest:
-                out[key] = f"{r} ".encode() + kept.partition(b" ")[2]
-            else:
+            if digest is None or kept is None or content_digest(kept) != digest:
                 unknown.append(key)
+            elif int(kept.partition(b" ")[0]) < r:  # (a full read may hold a newer one)
+                out[key] = f"{r} ".encode() + kept.partition(b" ")[2]
         if unknown:
             out.update(self._get_many(sorted(unknown)))
         return out

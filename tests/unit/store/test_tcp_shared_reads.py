@@ -123,3 +123,18 @@ def test_a_key_rewritten_unchanged_is_taken_from_the_event_log_a_changed_one_is_
         reader.close()
         writer.close()
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_value_kept_newer_than_the_event_caught_up_over_is_not_rebuilt_older(
+    store: TcpStore,
+) -> None:
+    """A full read is not atomic: it may hold a key's value from after the revision it is
+    taken at. Catching up over an older rewrite of the same value keeps the newer one."""
+    first = store.put("job/hb/a", b"record", ttl_s=5)
+    second = store.put("job/hb/a", b"record", ttl_s=5)
+    newer = store._raw("job/hb/a")
+    assert newer is not None and newer.startswith(f"{second} ".encode())
+    epoch = bytes(store._call(store._c().compare_set, "__flexrun/epoch", b"", b"e1"))
+    got = store._reads._catch_up("job/hb/", (epoch, first - 1, {"job/hb/a": newer}), first)
+    assert got == {"job/hb/a": newer}
