@@ -84,16 +84,17 @@ class PrefixReads:
         was written since the last one (the event log names those keys), not every key
         again, and everything at least every FULL_READ_S (from a listing of the server's
         keys shared with other prefixes' full reads, see Shared reads)."""
-        at = self._log._revision(_RECENT)  # every write up to here has landed and is logged
         with self._lock:
             snap = self._snapshots.get(prefix)
         raws: dict[str, bytes] | None = None
         epoch = b""
         now = self._clock.monotonic()
         fresh = now - self._full_at.get(prefix, now - FULL_READ_S) < FULL_READ_S
-        if snap is not None and fresh and 0 <= at - snap[1] <= EVENT_WINDOW // 2:
-            epoch = snap[0]
-            raws = self._catch_up(prefix, snap, at)
+        if snap is not None and fresh:
+            at = self._log._revision(_RECENT)  # every write up to here has landed and is logged
+            if 0 <= at - snap[1] <= EVENT_WINDOW // 2:
+                epoch = snap[0]
+                raws = self._catch_up(prefix, snap, at)
         if raws is None:
             with self._lock:
                 self._full_at[prefix] = now
