@@ -41,6 +41,7 @@ from flexrun.spares.protocol import (
     parse_status,
     read_line,
     recv_line_with_fds,
+    send_with_fds,
 )
 from flexrun.spares.trust import check_dir, connect
 
@@ -174,8 +175,7 @@ def run_in_warm_agent(root: Path, argv: list[str]) -> int | None:
             raise OSError("nothing listens on its socket")
         with sock:
             data = handover.encode()
-            sent = socket.send_fds(sock, [data], [0, 1, 2])
-            sock.sendall(data[sent:])
+            send_with_fds(sock, data, [0, 1, 2])
             if read_line(sock).strip() != b"ok":
                 raise OSError("the warm agent did not accept")
     except SparesUntrusted:

@@ -57,6 +57,7 @@ from flexrun.spares.protocol import (
     interpreter,
     parse_request,
     send_json,
+    send_with_fds,
     write_record,
 )
 from flexrun.spares.trust import check_dir
@@ -284,8 +285,7 @@ class SparesDaemon:
             SpareOffer(pid=s.proc.pid, name=s.name, ready=s.ready, log_dir=s.worker.log_dir)
             for s in chosen
         ]
-        data = encode({"spares": [o.as_dict() for o in offers]})
-        sent = socket.send_fds(conn, [data], fds) if fds else conn.send(data)
+        send_with_fds(conn, encode({"spares": [o.as_dict() for o in offers]}), fds)
         # The channels went with the first byte: from here on the agent holds them.
         for s in chosen:
             assert s.proc.stdin is not None
@@ -293,7 +293,6 @@ class SparesDaemon:
             self._hand_over(s, pid)
         if chosen:
             log.info("handed %d spare(s) to pid %d", len(chosen), pid)
-        conn.sendall(data[sent:])
 
     def _take_agent(self, conn: socket.socket, pid: int) -> None:
         ready = [s for s in self.idle if s.kind == "agent" and s.is_ready]

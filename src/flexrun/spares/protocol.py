@@ -101,6 +101,18 @@ def send_json(conn: socket.socket, obj: Mapping[str, object]) -> None:
     conn.sendall(encode(obj))
 
 
+def send_with_fds(conn: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """Send ``data`` with ``fds`` attached to its first bytes, then the rest of it.
+
+    The rest is sent only when there is some: a peer that took the whole message at once may
+    answer and close before this returns, and a send of nothing to a closed peer fails with
+    EPIPE although everything arrived.
+    """
+    sent = socket.send_fds(conn, [data], list(fds)) if fds else conn.send(data)
+    if sent < len(data):
+        conn.sendall(data[sent:])
+
+
 def read_line(conn: socket.socket, limit: int = MAX_LINE, head: bytes = b"") -> bytes:
     """One line from ``conn`` (after ``head``, already received): up to and including the
     newline, or what came before the end of the stream (b"" when nothing did).

@@ -4,6 +4,7 @@ one is a SparesProtocolError (or, for a record, no record), never another except
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import socket
 from pathlib import Path
@@ -16,6 +17,7 @@ from flexrun.spares.protocol import (
     Assignment,
     Handover,
     Request,
+    close_fds,
     exit_code_of,
     exit_record,
     interpreter,
@@ -29,6 +31,8 @@ from flexrun.spares.protocol import (
     read_line,
     read_returncode,
     record_exit,
+    recv_line_with_fds,
+    send_with_fds,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -178,3 +182,34 @@ def test_exit_records_are_json_only_and_a_pickle_runs_nothing(tmp_path: Path) ->
     with pytest.raises(SparesProtocolError):
         exit_record(tmp_path, "../escape")
     assert [exit_code_of(c) for c in (None, 0, 5, "boom")] == [0, 0, 5, 1]
+
+
+def test_a_message_taken_whole_is_not_followed_by_an_empty_send_to_a_closed_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The warm agent reads the whole hand-over, answers "ok" and closes; the client then sent
+    # the (empty) rest and got EPIPE, so it killed a working agent (the old flaky test
+    # test_a_flexrun_run_hands_itself_to_a_warm_agent). Here the peer has certainly closed
+    # before the rest would be sent.
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = os.pipe()
+    taken: list[bytes] = []
+    real_send_fds = socket.send_fds
+
+    def send_then_peer_closes(sock: socket.socket, buffers: list[bytes], fds: list[int]) -> int:
+        sent = real_send_fds(sock, buffers, fds)
+        data, got = recv_line_with_fds(b, 1 << 16, 3)
+        taken.append(data)
+        close_fds(got)
+        b.sendall(b"ok\n")
+        b.close()
+        return sent
+
+    monkeypatch.setattr(socket, "send_fds", send_then_peer_closes)
+    try:
+        send_with_fds(a, b'{"x": 1}\n', [r])
+    finally:
+        a.close()
+        os.close(r)
+        os.close(w)
+    assert taken == [b'{"x": 1}\n']
