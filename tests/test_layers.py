@@ -188,7 +188,7 @@ MAX_CLASS_LINES = 300
 
 
 def test_no_module_or_class_outgrows_its_budget() -> None:
-    """STYLE.md's size budget: a module past 500 lines or a class past 300 is split."""
+    """The size budget (CONTRIBUTING.md): a module past 500 lines or a class past 300 is split."""
     big = []
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text()

@@ -62,7 +62,7 @@ TORCHRUN_KEYS = (
 ETCD_KEYS = ("cacert", "cert", "key", "tls", "user", "password", "request_timeout")
 """Passed on to flexrun's etcd v3 backend (``flexrun.store.etcd``)."""
 CREDENTIAL_KEYS = ("secret_file", "password_file")
-"""Read by the job-secret / etcd-password code (INTERFACES.md sections 1 and 2)."""
+"""Read by the job-secret / etcd-password code (:mod:`flexrun.config.credentials`)."""
 _ETCD_RENAMES = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
 
 
