@@ -74,7 +74,7 @@ def cpus_per_local_rank(mode: str, nproc: int) -> tuple[frozenset[int], ...]:
 
 
 def ranges(cpus: frozenset[int]) -> str:
-    """``{0,1,2,5}`` -> ``"0-2,5"`` (numactl's and the README's notation)."""
+    """``{0,1,2,5}`` -> ``"0-2,5"`` (numactl's notation, which the docs use)."""
     items = sorted(cpus)
     parts: list[str] = []
     start = prev = None

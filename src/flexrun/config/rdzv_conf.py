@@ -1,6 +1,6 @@
 """``--rdzv-conf``: flexrun's own keys and torchrun's, mapped onto flexrun's settings.
 
-Owns the meaning of every key (the README's table is this module's), the durations'
+Owns the meaning of every key (docs/user/options.md describes this module's), the durations'
 validation (finite, not negative), and the one warning per unknown key (torchrun ignores
 those silently; a typo should not pass unnoticed). Pure: the caller logs the notes.
 
