@@ -13,8 +13,9 @@ side by side, each ``--repeats`` times after one warm-up:
 3. a synchronous ``torch.save`` of the same state dicts + ``fsync``: the stall is all of it.
 
 For each: the stall, the time until the checkpoint is durable, and the median training step
-while it persists vs without. Results go to ``bench/results/gpu_checkpoint.txt`` (with the
-command, the GPU, the load average before and after) and to stdout.
+while it persists vs without. Results go to ``--out`` (default ``DEFAULT_OUT``:
+``gpu_checkpoint.txt`` in bench/results/, written by a run on a GPU; with the command, the
+GPU, the load average before and after) and to stdout.
 
 Usage (on a machine with a CUDA GPU, from the repository root, flexrun importable):
 

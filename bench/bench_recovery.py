@@ -1,6 +1,7 @@
 """Recovery and scale-up benchmark: flexrun vs torchrun, same workload, one run.
 
-Two measurements (issue 2, last acceptance bullet; anchors in ARCHITECTURE.md):
+Two measurements (issue 2, last acceptance bullet; why torchrun runs with its shared
+store off: docs/user/running.md):
 
 1. kill -9 of one of 4 workers on one node (``--standalone --nproc-per-node 4
    --max-restarts 3``), columns interleaved trial by trial (the order rotates), the same

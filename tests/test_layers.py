@@ -1,11 +1,11 @@
-"""The layering of src/flexrun, asserted on its real imports (docs/architecture.md, Layers).
+"""The layering of src/flexrun, asserted on its real imports (docs/contributor/architecture.md, Layers).
 
 Every import of a flexrun module by another (at any depth in a module, lazy imports in
 functions too) is an arrow between two units: a subpackage (``agent``, ``store``...) or a
 top-level module (``config``, ``events``...). Each unit may import only the units listed
 for it below, and the graph of units has no cycle, so no two packages point at each
 other and nothing imports upward. A new arrow is a decision: add it here, with a reason,
-and to docs/architecture.md.
+and to docs/contributor/architecture.md.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ MAX_CLASS_LINES = 300
 
 
 def test_no_module_or_class_outgrows_its_budget() -> None:
-    """STYLE.md's size budget: a module past 500 lines or a class past 300 is split."""
+    """The size budget (CONTRIBUTING.md): a module past 500 lines or a class past 300 is split."""
     big = []
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text()

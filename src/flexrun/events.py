@@ -1,7 +1,7 @@
 """The run's event log: one JSON object a line in ``<run_dir>/events.jsonl``.
 
 Owns the on-disk format and line-atomic appends; it does not decide which events exist
-(callers do; docs/architecture.md lists them) nor aggregate them (the report does). Each line is
+(callers do; docs/contributor/architecture.md lists them) nor aggregate them (the report does). Each line is
 written with a single ``write(2)`` on an ``O_APPEND`` descriptor, so concurrent writers
 (agents and workers of one node) never interleave within a line, and a writer killed
 mid-way leaves at worst one partial last line, which :func:`read_events` skips.

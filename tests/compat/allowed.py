@@ -1,6 +1,6 @@
 """The one list of differences from torchrun the compat suite allows, each with its reason.
 
-The README's table "Differences from torchrun" is checked against this dict
+The table in docs/user/torchrun.md ("Differences from torchrun") is checked against this dict
 (``test_compat_readme.py``), and every check that tolerates a difference names its key
 here (``allow(key)`` fails for a key that is not listed), so the two cannot drift.
 """

@@ -138,7 +138,7 @@ def base_env(workdir: Path, extra: Mapping[str, str]) -> dict[str, str]:
     env.update(
         PYTHONPATH=os.pathsep.join([str(SRC), str(SCRIPTS)]),
         PROBE_OUT=str(workdir / "probe"),
-        # torch 2.13's shared rendezvous store is unreliable on this machine (ARCHITECTURE.md)
+        # torch 2.13's shared rendezvous store is unreliable after a restart (docs/user/running.md)
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         TMPDIR=str(workdir / "tmp"),  # torchrun's default log dir goes there, not /tmp
         COMPAT_SENTINEL="from-the-parent",

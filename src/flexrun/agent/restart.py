@@ -39,7 +39,7 @@ SPARE_DELAY_S = 3.0
 compete with the workers' own start-up (interpreter and torch import) for CPU. Workers that
 came from spares have no such start-up: the pool is refilled at once after them (otherwise
 a round that fails within the delay, as under a stream of faults, waits a whole spare boot
-for its replacement; ~1.8 s on this machine, seen in the long chaos run)."""
+(interpreter and ``import torch``) for its replacement)."""
 SPARE_BOOT_WAIT_S = 10.0
 """A spare still importing torch will be ready before a process started now: wait this long
 (in all, for the round's ranks together)."""

@@ -1,4 +1,4 @@
-"""The worker environment contract (ARCHITECTURE.md, Contracts): pure data building.
+"""The worker environment contract (docs/contributor/architecture.md, Contracts): pure data building.
 
 Owns the names and values of every variable a worker sees; spawns nothing. With
 ``settings`` (the run's :class:`~flexrun.config.RunConfig`) it also applies what the

@@ -62,7 +62,7 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     log_root = (config.log_dir or config.run_dir / "logs") / "live"
     # Refill by fork from one warm zygote, as restart mode: a replacement's fresh `import
-    # torch` (~2 cpu-s here) competed with the survivors' training after every failure.
+    # torch` (seconds of CPU) competed with the survivors' training after every failure.
     return WarmPool(
         config.warm_spares, env, log_root / "spares", node=config.spares_dir, fork_server=True
     )

@@ -13,8 +13,8 @@ the new workers start.
 - Elastic job (:class:`RoundStores`): the agent of the round's group rank 0 binds a store on
   a port the OS picks and publishes that as the round's master, so no worker ever connects
   before the store listens. (When rank 0 hosted it, a rank that came first waited out
-  torch's connect back-off: ~0.5 s of every restart here, measured with
-  ``bench/goodput_timeline.py``.) As in torchrun, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+  torch's connect back-off, a large share of a restart's time; ``bench/goodput_timeline.py``
+  shows it.) As in torchrun, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (and the etcd backends, whose torchrun handler does not share its store) leave it to rank 0.
 """
 

@@ -2,7 +2,8 @@
 password, read from files or the environment, never from the command line (``ps`` shows
 it to every user); and the keep-alive defaults that scale with the job's size.
 
-Owned here so that one place reads secrets (INTERFACES: ``--rdzv-conf secret_file=`` >
+Owned here so that one place reads secrets, in the documented order
+(docs/operator/security.md: ``--rdzv-conf secret_file=`` >
 ``$FLEXRUN_JOB_SECRET_FILE`` > ``$FLEXRUN_JOB_SECRET``). It does not sign anything:
 :mod:`flexrun.store.signed` does.
 """
@@ -103,8 +104,8 @@ KEEPALIVES_PER_S = 2000.0
 
 ETCD_KEEPALIVES_PER_S = 500.0
 """The same budget for etcd: every request through its JSON gateway costs the server
-about 0.3-0.6 ms of CPU, whatever it does (bench/results/rdzv_scale.txt, RUN 5), so 500
-keep-alives a second are a quarter of one core."""
+a fixed CPU cost, whatever it does (tenths of a millisecond: bench/results/rdzv_scale.txt),
+so 500 keep-alives a second cost it about a quarter of one core."""
 
 
 def keepalive_defaults(max_nodes: int, *, etcd: bool = False) -> tuple[float, float]:

@@ -108,7 +108,7 @@ def local_addresses(table: Mapping[str, Sequence[str]] | None = None) -> set[str
 
 
 def is_this_host(host: str) -> bool:
-    """True if ``host`` names this machine (as torchrun decides whether to host the store)."""
+    """True if ``host`` names the local host (as torchrun decides whether to host the store)."""
     host = host.strip("[]")
     if is_loopback_literal(host) or host in _ANY:
         return True
@@ -142,7 +142,7 @@ class Advertised:
 
 
 def single_host_addr(fqdn: Callable[[], str] = socket.getfqdn) -> str:
-    """torchrun's value (the FQDN) when it names this machine, else ``127.0.0.1``."""
+    """torchrun's value (the FQDN) when it names this host, else ``127.0.0.1``."""
     name = fqdn()
     addrs = resolve(name) if name else []
     mine = local_addresses()
@@ -163,7 +163,7 @@ def choose_advertised(
     """This node's advertised address for a job whose store (or master) is at ``toward``.
 
     ``toward`` None or a loopback address: a single-host job (torchrun's FQDN when it names
-    this machine, else 127.0.0.1). Otherwise the source address of the route toward
+    this host, else 127.0.0.1). Otherwise the source address of the route toward
     ``toward`` (falling back to the default route's, when that route is a loopback one),
     and the interface holding it. ``explicit`` (``--local-addr``) wins, but a loopback one
     is refused when the store is on another host.

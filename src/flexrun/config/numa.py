@@ -26,7 +26,7 @@ def cpus_per_local_rank(mode: str, nproc: int) -> tuple[frozenset[int], ...]:
     Raises:
         ConfigError: unknown mode; torch without ``torch.numa.binding``; no CUDA device
             (the binding is relative to each worker's GPU); fewer GPUs than workers; no
-            NUMA information on this machine; torch's own computation failed.
+            NUMA information on this host; torch's own computation failed.
     """
     if mode not in MODES:
         raise ConfigError(f"--numa-binding {mode!r}: choose one of {', '.join(MODES)}")
@@ -74,7 +74,7 @@ def cpus_per_local_rank(mode: str, nproc: int) -> tuple[frozenset[int], ...]:
 
 
 def ranges(cpus: frozenset[int]) -> str:
-    """``{0,1,2,5}`` -> ``"0-2,5"`` (numactl's and the README's notation)."""
+    """``{0,1,2,5}`` -> ``"0-2,5"`` (numactl's notation, which the docs use)."""
     items = sorted(cpus)
     parts: list[str] = []
     start = prev = None

@@ -105,7 +105,7 @@ def parse_endpoint(
 ) -> list[tuple[str, int]]:
     """``"host:port[,host2:port2]"`` -> [(host, port), ...]; IPv6 in brackets.
 
-    ``allow_port_zero``: port 0 means "a free port on this machine" (torchrun's
+    ``allow_port_zero``: port 0 means "a free port on this host" (torchrun's
     ``localhost:0``).
     """
     out = []

@@ -1,6 +1,6 @@
 """``--rdzv-conf``: flexrun's own keys and torchrun's, mapped onto flexrun's settings.
 
-Owns the meaning of every key (the README's table is this module's), the durations'
+Owns the meaning of every key (docs/user/options.md describes this module's), the durations'
 validation (finite, not negative), and the one warning per unknown key (torchrun ignores
 those silently; a typo should not pass unnoticed). Pure: the caller logs the notes.
 
@@ -62,7 +62,7 @@ TORCHRUN_KEYS = (
 ETCD_KEYS = ("cacert", "cert", "key", "tls", "user", "password", "request_timeout")
 """Passed on to flexrun's etcd v3 backend (``flexrun.store.etcd``)."""
 CREDENTIAL_KEYS = ("secret_file", "password_file")
-"""Read by the job-secret / etcd-password code (INTERFACES.md sections 1 and 2)."""
+"""Read by the job-secret / etcd-password code (:mod:`flexrun.config.credentials`)."""
 _ETCD_RENAMES = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
 
 

@@ -205,7 +205,7 @@ class RunConfig:
     local_addr: str = "127.0.0.1"
     """Address peers use to reach this node's rank-0 worker (MASTER_ADDR). Default: the
     source address of the route toward the rendezvous endpoint (or master) for a multi-host
-    job; torchrun's FQDN (when it names this machine, else 127.0.0.1) for a one-host job."""
+    job; torchrun's FQDN (when it names this host, else 127.0.0.1) for a one-host job."""
     socket_ifname: str | None = None
     """The interface holding ``local_addr`` on a multi-host job: workers get it as
     ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME=={name}``) unless the user set those

@@ -2,7 +2,7 @@
 
 Owns torchrun's rules for what ``--standalone``, ``--rdzv-backend``, ``--rdzv-endpoint``,
 ``--nnodes``, ``--node-rank`` and ``--master-addr/--master-port`` mean together, with
-flexrun's documented precedence (INTERFACES.md section 4):
+flexrun's documented precedence (docs/user/running.md, "What the flags mean together"):
 
 - ``--standalone``: one host, a store on a free port (torchrun: c10d on ``localhost:0``).
 - An endpoint (flag or ``PET_RDZV_ENDPOINT``) with any backend but an explicit ``static``:

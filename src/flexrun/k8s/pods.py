@@ -7,7 +7,7 @@ runtime (``trainjob.py``). The targets differ only in the container's name, in w
 launcher flags come from the operator's ``PET_*`` variables, and in the pod's restart
 policy; those are arguments here.
 
-The contract a rendered pod relies on (the README lists it too):
+The contract a rendered pod relies on (docs/user/kubernetes.md lists it too):
 
 - ``flexrun run ... --local-addr $(POD_IP) --stop-grace <grace - 10>``, plus
   ``--metrics-port P --metrics-host 0.0.0.0`` only when ``spec.metrics.port`` is set;

@@ -59,12 +59,12 @@ OPERATOR_ENV = frozenset(
     }
 )
 
-#: Where the job Secret (key ``secret``) is mounted in every worker pod (INTERFACES 1).
+#: Where the job Secret (key ``secret``) is mounted in every worker pod (docs/user/kubernetes.md, the contract).
 JOB_SECRET_DIR = "/var/run/flexrun/secret"
 JOB_SECRET_KEY = "secret"
 JOB_SECRET_FILE = f"{JOB_SECRET_DIR}/{JOB_SECRET_KEY}"
 #: Where the etcd Secret (``ca.crt``, ``tls.crt``, ``tls.key``) is mounted, in the etcd
-#: members and in the workers (INTERFACES 2).
+#: members and in the workers (docs/user/kubernetes.md, the contract).
 ETCD_SECRET_DIR = "/var/run/flexrun/etcd"
 ETCD_SECRET_KEYS = ("ca.crt", "tls.crt", "tls.key")
 

@@ -5,7 +5,8 @@ have died before the setting took effect), then replaces itself with ``COMMAND``
 pid; the death signal survives ``execve``). This is what ``preexec_fn`` did between fork
 and exec; run as a process of its own it is safe from a threaded parent, which
 ``preexec_fn`` is not (Python's documentation warns that it can deadlock the child).
-Standard library only, no site: it costs a bare interpreter start (~20 ms here).
+Standard library only, no site: it costs a bare interpreter start, tens of
+milliseconds.
 """
 
 import ctypes

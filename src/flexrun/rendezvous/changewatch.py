@@ -11,9 +11,10 @@ Where the store's notifications carry the written values (the api's optional
 kept as a local copy: read once when armed, then brought up to date from the events the
 watch delivers anyway. :meth:`ChangeWatch.read` answers a read of a key under it from the
 copy, at no request. A follower's round directory (header, watcher claim, masters) is
-such a prefix: a new round cost each of 1024 etcd followers ~4 requests (the header, the
-claim, the master address, read once before and once after rank 0 published it), ~0.75 ms
-of etcd CPU each (RUN 7 of bench/results/rdzv_scale.txt); from the copy it costs none. A
+such a prefix: without the copy a new round costs each follower about four reads (the
+header, the claim, the master address, read once before and once after rank 0 published
+it), each of them etcd server CPU multiplied by the number of nodes; from the copy it costs
+none. A
 copy lags the store by the watch's delivery (as a read does by its round trip): a change
 it has not applied yet wakes the next :meth:`wait`. A broken or compacted watch drops the
 copy (reads go to the store until it is read again); a watch that saw nothing for

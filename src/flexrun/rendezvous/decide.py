@@ -1,6 +1,6 @@
 """Pure rendezvous decisions of the watcher: ``(view of the store, now) -> action``.
 
-Owns the membership rules of ARCHITECTURE.md (rounds, MIN:MAX, last call, stable ranks,
+Owns the membership rules (rounds, MIN:MAX, last call, stable ranks,
 loss detection, scale-up, closing) as the one node that watches membership applies them
 (:mod:`flexrun.rendezvous.follow` has the other nodes' rules). It performs no I/O and
 reads no clock: the handler builds a :class:`View`, calls :func:`decide`, and carries out

@@ -7,11 +7,11 @@ it does not set them. It does not judge anyone's keep-alive (the watcher does,
 :mod:`flexrun.rendezvous.watcher`).
 
 Defaults. N nodes refresh N / interval keep-alives per second. The tcp store's budget for
-them is :data:`BEATS_PER_S` = 2000/s (about 4 requests each, 0.1 ms of its server's CPU at
-1024 nodes measured): interval max(1 s, N / 2000 s), timeout five intervals (readers judge
+them is :data:`BEATS_PER_S` = 2000/s (about 4 requests each, a small share of its server's
+CPU): interval max(1 s, N / 2000 s), timeout five intervals (readers judge
 the age themselves and must see renewals). etcd's is ``ETCD_KEEPALIVES_PER_S`` = 500/s: one
 lease keep-alive each (the value re-written every TTL), but every request through etcd's
-JSON gateway costs its server 0.3-0.6 ms of CPU (RUN 5 of bench/results/rdzv_scale.txt), and
+JSON gateway costs its server a fixed share of CPU whatever it does, and
 the server expires the lease itself, so a renewal every TTL/3 suffices (etcd's own client's
 rule): timeout max(5, 3N / 500) s in whole seconds, interval a third of it. Loss detection
 takes the timeout plus one of the watcher's steps.

@@ -6,7 +6,7 @@ flexrun.spares.spare`` processes (and ``agents`` idle ``python -m flexrun.warm_a
 with Python and torch already imported, and hands them to processes of its own uid that
 ask through ``DIR/pool.sock`` (:mod:`flexrun.spares.listener`; every request is validated
 and a bad one is answered with an error, never a crash). An agent started on that node
-then skips the interpreter and ``import torch`` (about 2 s of CPU per process here) for
+then skips the interpreter and ``import torch`` (seconds of CPU per process) for
 its first workers, and a restarted agent (kill -9, a container restart) finds its
 replacements warm. ``DIR`` is created mode 0700, or must already be so and this user's.
 

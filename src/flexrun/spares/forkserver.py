@@ -37,7 +37,8 @@ from flexrun.spares.protocol import (
 log = logging.getLogger("flexrun.spares")
 
 FORK_TIMEOUT_S = 5.0
-"""How long one fork request may take (a fork of a torch interpreter: ~50 ms here)."""
+"""How long one fork request may take (a fork of a torch interpreter takes tens of milliseconds;
+this bounds a stuck zygote, not a slow one)."""
 
 BOOTING, READY, GONE = "booting", "ready", "gone"
 

@@ -8,10 +8,9 @@ request itself is wrong, or permission is denied), fail-over across the endpoint
 auth token (:class:`Cluster`), translated into :mod:`flexrun.errors`. It knows nothing of
 keys or revisions.
 
-Why not ``requests``: one request through ``requests`` (via ``etcd3gw``) cost 0.83 ms of
-client CPU on the development machine, ``http.client`` 0.18 ms (measured against a local
-etcd 3.4, 500 ranges each); at a thousand agents per host that is the harness's, and a
-busy agent's, main cost.
+Why not ``requests``: a request through ``requests`` (via ``etcd3gw``) costs the client
+several times the CPU of one through ``http.client``; at a thousand agents per host (the
+scale benchmark's harness), and for a busy agent, that is the main cost.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ etcd's JSON gateway. A watch stream delivers every event after its start revisio
 order, for as long as it stays open; so a thread whose wait ended with an event and that
 waits again on the same prefix from a later revision reads on from the same stream
 (skipping events up to that revision) instead of opening a new one. Opening a watch costs
-etcd's server ~2 ms of CPU, three times a range read (RUN 5 of
-bench/results/rdzv_scale.txt), and every follower re-arms its watch after each round: at
-1024 nodes a new round cost ~2 s of etcd CPU in new watches alone. A wait that times out
+etcd's server several times what a range read does, and every follower re-arms its watch
+after each round: at a thousand nodes, new watches alone would cost etcd seconds of CPU a
+round. A wait that times out
 closes its stream (http.client cannot resume a read that timed out): an idle node opens
 one watch per wait, as before. It knows nothing about rounds.
 """

@@ -8,16 +8,15 @@ write has landed (searched for writes in flight as far back as ``PRECISE`` revis
 reads that follow it miss no write in flight during it. Everything is read again when the log
 cannot tell (a restarted server, a revision abandoned by a dead writer, a log that moved on
 past half its window), and at least every ``FULL_READ_S`` (for writes in flight longer than
-that search reaches, see Precision in :mod:`flexrun.store.tcp_watch`): it was 5 s before the
-full reads were precise, and at 4096 nodes 5 of a formation's 7 full reads of each prefix (a
-listing and 4096 values each) were those (RUN 11.3 of bench/results/rdzv_scale.txt).
+that search reaches, see Precision in :mod:`flexrun.store.tcp_watch`): it is long because precise full reads
+need no frequent correction, and at thousands of nodes each full read of a prefix (a listing
+and a value per node) is the most expensive read there is.
 
 Shared reads. The watcher reads three prefixes a step (node records, keep-alives, asks),
 whose incremental reads cover the same revisions and whose full reads fall due together.
 One listing of the server's keys serves the full reads of every prefix for ``LISTING_S``
-(a listing names every key on the server: ~0.7 MB at 4096 nodes, three of them every
-``FULL_READ_S`` were the largest share of a 4096-node round's bytes, RUN 10 of
-bench/results/rdzv_scale.txt); a prefix read from an older listing is brought up to date
+(a listing names every key on the server, so at thousands of nodes three listings every
+``FULL_READ_S`` would be the largest share of a round's bytes); a prefix read from an older listing is brought up to date
 from the event log like any cached read. The keys named by the event log are kept for the
 newest revisions, so each revision's name is fetched once, not once per prefix.
 """

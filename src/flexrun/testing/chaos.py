@@ -1,4 +1,4 @@
-"""Chaos: a seeded schedule of faults injected into a real job on this machine.
+"""Chaos: a seeded schedule of faults injected into a real job on this host.
 
 Owns wiring three things together (``run_chaos``): the schedule (pure, in
 ``chaos_schedule``: ``make_schedule(seed, ...)`` always returns the same faults), the job

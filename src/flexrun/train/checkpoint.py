@@ -193,8 +193,8 @@ class Checkpointer(RankZero):
         """
         Args:
             directory: local/shared directory or fsspec URL (``s3://bucket/prefix``,
-                ``memory://`` ...); URLs commit manifest-last (see the README's table of
-                tested stores and what each guarantees).
+                ``memory://`` ...); URLs commit manifest-last (see the table of tested stores
+                and what each guarantees in docs/user/train.md).
             options: the knobs (:class:`CheckpointOptions`); the defaults when omitted.
             storage_options: fsspec options for a URL (endpoint URL, region, profile ...;
                 e.g. ``{"endpoint_url": "http://minio:9000"}``), or ``"env"`` to take the

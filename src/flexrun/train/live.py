@@ -7,7 +7,8 @@ process group per epoch, and the per-step data split that keeps the global batch
 sample order independent of the world size. It does not decide membership (the agents do,
 in ``flexrun.agent.live``) and does not read the environment beyond ``LiveEnv``.
 
-How a recovery works (the live-mode facts measured on gloo are in docs/architecture.md):
+How a recovery works (what gloo does when a peer dies, which the design rests on, is in
+docs/contributor/architecture.md):
 
 1. The agents publish ``live/epoch`` = (epoch number, member worker ids in rank order,
    abort flag). A dead or frozen worker's agent publishes a new epoch at once.
@@ -38,7 +39,7 @@ process groups (steps 1, 2 and 4 and the arrival in 3), ``live_sync`` the checks
 the state broadcast, ``live_plan`` the pure recovery decision.
 
 Backends: gloo with CPU tensors is the only implemented and tested path. NCCL is not
-implemented (and has not been run: no GPU here). The intended design: a
+implemented (nor run on a GPU). The intended design: a
 ``ProcessGroupNCCL`` per epoch on the same fresh ``PrefixStore`` namespace, with
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (which the agent sets) and the old group's
 ``abort()`` (``ncclCommAbort``, which, unlike gloo's abort, does release kernels stuck on
@@ -60,7 +61,7 @@ from typing import Any
 import torch
 
 # A live script builds an optimizer, and the first optimizer built imports torch._dynamo
-# (0.6 s here after torch.distributed, more when cold). Importing it with this module moves
+# (a large import, even after torch.distributed). Importing it with this module moves
 # that into a warm spare's boot (spares import this module), off a replacement's recovery.
 import torch._dynamo  # noqa: F401
 

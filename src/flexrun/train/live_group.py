@@ -255,7 +255,7 @@ class EpochGroup:
         deadline, look, pause = now + self.timeout_s, now + 0.2, 0.001
         # Polled with check(), never a short wait(): each timed-out wait() logs a c10d
         # warning whose formatting does a reverse DNS lookup of the socket's address,
-        # which took 5-10 s here (no DNS server reachable) and stalled a recovery 10 s.
+        # which takes seconds where no DNS server answers and would stall a recovery as long.
         while True:
             try:
                 if prefix.check(names):

@@ -44,9 +44,10 @@ class CheckpointOptions:
     persist_cpu_share: float | None = DEFAULT_PERSIST_CPU_SHARE
     """Pace the background persist (serializing, hashing, writing or uploading) to about
     this share of one CPU core: after each 4 MiB piece it rests for the CPU time the
-    piece took times ``1/share - 1``. 0.1 kept training steps within the 10% target on a
-    2-core machine whose cores training kept busy (bench/results/checkpoint.txt); a
-    persist then takes roughly ten times its CPU time. ``wait()``, ``close()``, ``load()``
+    piece took times ``1/share - 1``. The default 0.1 is chosen so that training
+    steps slow by about 10% at most while a persist runs, even where training keeps every
+    core busy (bench/results/checkpoint.txt); a persist then takes roughly ten times its
+    CPU time. ``wait()``, ``close()``, ``load()``
     and the next ``save()`` end the pacing. ``None`` (or 1.0): unpaced."""
 
     persist_free_cpu_s: float = DEFAULT_PERSIST_FREE_CPU_S

@@ -11,7 +11,7 @@ Why: a worker whose peer died raises from its next collective ("connection close
 peer"), and the agent, restarting the round, sends it SIGTERM. With the flag-only handler
 still installed, that SIGTERM did nothing and the worker went on tearing down its
 interpreter (process groups, threads; 1-2 s on a loaded node, or the agent's whole grace
-before SIGKILL), which delayed the new round by as much (issue 20, restart-mode goodput).
+before SIGKILL), which delayed the new round by as much and cost restart mode's goodput.
 A script that ends normally, or catches the exception, is not affected; nor is a handler
 the script installed itself. Standard library only (no torch import).
 """

@@ -8,7 +8,7 @@ conftest). Each function mirrors one piece of Kubernetes:
 - :func:`torch_plugin_env`: the v2.3.0 torch plugin (``PET_NNODES`` = numNodes,
   ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` = the completion index, ``PET_MASTER_ADDR`` =
   ``<job>-node-0-0.<job>``, ``PET_MASTER_PORT`` = 29500) plus the Job controller's
-  ``JOB_COMPLETION_INDEX`` (see ``../shared/schemas/trainer-v2.3.0/README.md``);
+  ``JOB_COMPLETION_INDEX`` (see ``src/flexrun/k8s/schemas/README.md``);
 - :func:`container_env` and :func:`expand`: the container's own env (downward API fields
   resolved) and ``$(VAR)`` expansion in command and args;
 - :class:`Mounts`: volume mounts, as local directories (a path under a mount point is

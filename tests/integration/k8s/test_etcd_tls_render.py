@@ -2,7 +2,7 @@
 
 Three etcd members are started with exactly the rendered StatefulSet's command line (its
 ``$(POD_NAME)``/``$(POD_IP)`` expanded, the Secret's mount point a local directory holding
-a job CA and a certificate made as the README says, and cluster DNS names rewritten to
+a job CA and a certificate made as docs/user/kubernetes.md says, and cluster DNS names rewritten to
 loopback ports). Then a flexrun store client is built the way a rendered worker builds
 it: the node container's ``flexrun run`` command line, parsed by flexrun's own CLI and
 config, then ``store.factory.connect``. It connects, writes and reads. A client without a
@@ -62,7 +62,7 @@ def _openssl(d: Path, *args: str) -> None:
 
 
 def _make_ca_and_cert(d: Path, sans: str) -> None:
-    """A job CA and one certificate for server and client use (the README's recipe)."""
+    """A job CA and one certificate for server and client use (the recipe in docs/user/kubernetes.md)."""
     d.mkdir(parents=True)
     _openssl(d, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
              "-subj", f"/CN={d.name}-ca", "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip

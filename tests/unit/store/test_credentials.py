@@ -1,4 +1,4 @@
-"""Where the job secret and the etcd password come from (INTERFACES.md sections 1 and 2),
+"""Where the job secret and the etcd password come from (docs/operator/security.md, docs/user/stores.md),
 and that ``connect`` authenticates every client built from settings."""
 
 from __future__ import annotations

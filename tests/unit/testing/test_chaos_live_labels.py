@@ -3,7 +3,7 @@
 A live fallback (every member died; the next epoch restores the durable checkpoint and
 redoes steps) is numbered above the epoch it replaces, also after a store restart (the
 agents publish the lost epoch again above the newest they saw:
-tests/unit/agent/test_live_outage.py), so it is not interleaving; a member of an old
+tests/integration/test_live_outage.py), so it is not interleaving; a member of an old
 epoch that logs after the new epoch began still is."""
 
 from __future__ import annotations
