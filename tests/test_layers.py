@@ -232,3 +232,78 @@ def test_the_decisions_are_pure() -> None:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert not calls & {"open", "print", "input", "exec", "eval"}, f"{rel} calls {calls}"
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (every import: lazy ones and those
+    only for type checking too; a circle of those is still two files that need each other)."""
+    prefix = f"flexrun.{package}"
+    graph: dict[str, set[str]] = {}
+    for path in sorted((SRC / package).rglob("*.py")):
+        me = module_name(path)
+        graph[me] = {m for m in imports_of(path) if m.startswith(prefix) and m != me}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    found: list[str] = []
+
+    def visit(u: str, path: list[str]) -> bool:
+        state[u] = 1
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                found.extend([*path[path.index(v) :], v])
+                return True
+            if state.get(v) is None and visit(v, [*path, v]):
+                return True
+        state[u] = 2
+        return False
+
+    for u in sorted(graph):
+        if state.get(u) is None and visit(u, [u]):
+            break
+    return found
+
+
+def test_no_import_circle_inside_the_rendezvous() -> None:
+    """The roles (watcher, claims, follower, masters) share a session
+    (``rendezvous/session.py``) and the handler sequences them: none of them holds the
+    handler, so no two of its files need each other."""
+    graph = module_graph("rendezvous")
+    assert "flexrun.rendezvous.state" in graph["flexrun.rendezvous.watcher"]  # (read)
+    cycle = cycle_in(graph)
+    assert not cycle, "import circle inside the rendezvous: " + " -> ".join(cycle)
+
+
+RUNNERS = ("agent/runner.py", "agent/restart.py", "agent/live.py")
+"""The runners: they run a round's workers, handed the round and its master address."""
+ROUND_RECORDS = {"flexrun.rendezvous.state", "flexrun.rendezvous.keys"}
+"""What of the rendezvous a runner may name: the round's records (data, no store access)."""
+
+
+def test_no_runner_steps_the_rendezvous() -> None:
+    """The agent's loop publishes or awaits each round's master address and hands it to
+    ``Runner.run_round``: a runner, and every agent module it imports, names no part of
+    the rendezvous beyond the round's records."""
+    seen: set[str] = set()
+    todo = [module_name(SRC / rel) for rel in RUNNERS]
+    bad = []
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        path = SRC.parent / (mod.replace(".", "/") + ".py")
+        if not path.exists():
+            path = SRC.parent / mod.replace(".", "/") / "__init__.py"
+        for dst in imports_of(path):
+            if unit_of(dst) == "rendezvous" and dst not in ROUND_RECORDS:
+                bad.append(f"{mod} -> {dst}")
+            elif unit_of(dst) == "agent":
+                todo.append(dst)
+    assert "flexrun.agent.spec" in seen  # (the walk follows the runners' own imports)
+    assert not bad, "a runner reaches the rendezvous:\n" + "\n".join(bad)
+    # Nor is it handed a way to: the master source is the agent loop's, not a runner's.
+    handed = [rel for rel in RUNNERS[1:] if "MasterSource" in (SRC / rel).read_text()]
+    assert not handed, f"a runner is handed the master source: {handed}"
