@@ -307,3 +307,53 @@ def test_no_runner_steps_the_rendezvous() -> None:
     # Nor is it handed a way to: the master source is the agent loop's, not a runner's.
     handed = [rel for rel in RUNNERS[1:] if "MasterSource" in (SRC / rel).read_text()]
     assert not handed, f"a runner is handed the master source: {handed}"
+
+
+REGISTRY = "config/backends.py"
+"""The store backends' registry: their names and traits (``flexrun.config.backends``)."""
+NOT_A_STORE = {"static"}
+"""torchrun's static rendezvous: a shape of the job (``config/topology.py`` resolves it),
+served by the tcp store; not a choice of store."""
+NAMES_ITS_OWN = ("store/", REGISTRY, "k8s/")
+"""Where backends may be named: the backends themselves, the registry, and the Kubernetes
+renderer (whose spec's ``store.type`` says which server to deploy, and whose manifest
+rules list the PyTorchJob operator's own backend names)."""
+
+
+def test_no_module_outside_the_store_and_the_registry_names_a_backend() -> None:
+    """A new backend is a row in the registry, a constructor in ``store/factory.py``, its
+    module and its contract-suite entry: nobody else decides by a backend's name (they ask
+    for a trait: ``backend_named(name).hosted``, ``.live``, ``.shares_worker_store``...)."""
+    from flexrun.config.backends import ALIASES, BACKENDS
+
+    names = (set(BACKENDS) | set(ALIASES)) - NOT_A_STORE
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith(NAMES_ITS_OWN):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            named = ""
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    elts = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                    for e in elts:
+                        if isinstance(e, ast.Constant) and e.value in names:
+                            named = repr(e.value)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "startswith"
+                and any(
+                    isinstance(a, ast.Constant)
+                    and isinstance(a.value, str)
+                    and any(n.startswith(a.value) for n in names)
+                    for a in node.args
+                )
+            ):
+                named = "startswith"
+            elif isinstance(node, ast.Name) and node.id in ("BACKENDS_ETCD", "BACKENDS_TCP"):
+                named = node.id
+            if named:
+                bad.append(f"{rel}:{getattr(node, 'lineno', '?')}: {named}")
+    assert not bad, "a backend named outside store/ and the registry:\n" + "\n".join(bad)

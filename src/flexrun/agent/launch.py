@@ -15,7 +15,7 @@ from flexrun.agent.restart import RestartRunner
 from flexrun.agent.runner import MasterSource, Runner
 from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.agent.worker_store import RoundStores, WorkerStores, shares_agent_store
-from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
+from flexrun.config import RunConfig, StoreSettings, backend_named
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler
@@ -35,8 +35,8 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
         StoreUnavailable: the endpoint cannot be reached within the connect timeout.
         ConfigError: the backend is not available in this installation.
     """
-    if settings.backend in BACKENDS_ETCD:
-        return connect(settings), None
+    if not backend_named(settings.backend).hosted:
+        return connect(settings), None  # (a server of its own)
     from flexrun.store.tcp import TcpStoreServer
 
     server: TcpStoreServer | None = None
@@ -67,7 +67,7 @@ def build_agent(
     """This node's agent over ``store``, with the runner of ``config.mode``.
 
     Raises:
-        ConfigError: live mode without the tcp store.
+        ConfigError: live mode without the tcp store (a backend without live support).
     """
     static = config.static
     me = NodeRecord(

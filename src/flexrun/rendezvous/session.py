@@ -22,7 +22,7 @@ from flexrun.errors import RendezvousError
 from flexrun.events import EventLog
 from flexrun.rendezvous.changewatch import ChangeWatch
 from flexrun.rendezvous.state import Keys, MasterRecord, NodeRecord, RoundRecord
-from flexrun.store.api import Entry, Store
+from flexrun.store.api import Entry, Store, judges_ttl_locally
 
 log = logging.getLogger("flexrun.rendezvous")
 
@@ -58,7 +58,7 @@ class Session:
         self.high_rev = 0  # the newest header revision this node read or wrote
         self.watching = False  # this node holds the watcher claim (set by the claims)
         self.master: tuple[int, MasterRecord] | None = None  # the last master address seen
-        self.judges_ttl = bool(getattr(store, "judges_ttl_locally", False))
+        self.judges_ttl = judges_ttl_locally(store)
         self.joined_at = clock.monotonic()
         self.stop = threading.Event()
         self.changes = ChangeWatch(store, self.stop)
