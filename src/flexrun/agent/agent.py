@@ -31,6 +31,7 @@ from flexrun.config import RunConfig
 from flexrun.errors import AgentError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
+from flexrun.recovery import RecoverySettings
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
@@ -106,6 +107,7 @@ class Agent:
         self.events = events
         self.clock = clock
         self.settings = policy.PolicySettings.from_rendezvous(config.rendezvous)
+        self.recovery = RecoverySettings.of(config.rendezvous, hang_timeout_s=config.hang_timeout_s)
         self.phase: policy.Phase = policy.Idle()
         self.uptime = Uptime(clock)
         self._runs = 0  # fresh starts of this node's workers
@@ -228,7 +230,7 @@ class Agent:
                 await_own_exit(self.runner, self.clock, FINISH_WAIT_S)
             self._stop(STOP_GRACE_S, productive=True)
             if action.code == NO_PROGRESS:
-                _crash_loop_exit(self.events, self.config.rendezvous.crash_loop_restarts)
+                _crash_loop_exit(self.events, self.recovery.crash_loop_restarts)
             if action.code != 0:
                 _report_failure(action, self.config.launcher_error_file, self.clock.wall())
             return action.code
@@ -285,8 +287,8 @@ class Agent:
                     "worker %s failed (%s); restarts exhausted (%d allowed%s): not replacing it",
                     cause.worker_id or cause.rank,
                     cause.describe(),
-                    self.config.rendezvous.max_restarts,
-                    _window(self.config.rendezvous.restart_window_s),
+                    self.recovery.max_restarts,
+                    _window(self.recovery.restart_window_s),
                 )
             else:
                 log.warning(
@@ -296,15 +298,15 @@ class Agent:
                     cause.describe(),
                     cause.message,
                     rec.restarts,
-                    self.config.rendezvous.max_restarts,
-                    _window(self.config.rendezvous.restart_window_s),
+                    self.recovery.max_restarts,
+                    _window(self.recovery.restart_window_s),
                 )
             return
         rec = self.rdzv.report_failure(a.round, cause, progressed=progressed)
         self.phase = policy.step(self.phase, policy.Reported(), 0.0, self.settings).phase
         self.events.emit("failure", **{k: v for k, v in cause.to_dict().items() if k != "round"})
         what = f"rank {cause.rank} failed ({cause.describe()})"
-        max_restarts = self.config.rendezvous.max_restarts
+        max_restarts = self.recovery.max_restarts
         if rec.state == FAILED and rec.reason == "no_progress":
             log.error("%s; no step completed since the last restart", what)
         elif rec.state == FAILED:

@@ -19,7 +19,7 @@ from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import AttemptOutputs
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
-from flexrun.agent.progress import HangLimits, ProgressBook
+from flexrun.agent.progress import ProgressBook
 from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.config import RunConfig
@@ -27,6 +27,7 @@ from flexrun.events import EventLog
 from flexrun.proc import Worker, WorkerGroup, build_command, kill_session
 from flexrun.proc.diagnose import in_collective, is_consequence
 from flexrun.proc.stacks import capture_stacks
+from flexrun.recovery import HangLimits, RecoverySettings, hang_limits
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 
@@ -76,7 +77,9 @@ class RestartRunner:
         self._t0: float | None = None  # when the round being started was prepared
         self._cold_workers = 0  # workers of the current round not taken from the warm pool
         self.progress = ProgressBook()
-        self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
+        self.hang_limits = hang_limits(
+            RecoverySettings.of(config.rendezvous, hang_timeout_s=config.hang_timeout_s)
+        )
         self._warm_until = 0.0
         self.outputs = AttemptOutputs(config)
         """The round's files and console (and ``--logs-specs``, ``--duplicate-*-filters``)."""

@@ -24,6 +24,7 @@ from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.errors import StoreError
 from flexrun.events import EventLog
+from flexrun.recovery import RecoverySettings
 from flexrun.rendezvous.claims import Claims
 from flexrun.rendezvous.decide import (
     Action,
@@ -78,6 +79,7 @@ class RendezvousHandler:
         self.events = events
         self.clock = clock
         self._since_rev = 0
+        self._recovery = RecoverySettings.of(settings)
         self._masters = Masters(s)
         self._claims = Claims(s)
         self._watcher = Watcher(s)
@@ -312,7 +314,7 @@ class RendezvousHandler:
             if r.number != failed_round or r.state != RUNNING:
                 return None
             return failure_round(
-                r, self.settings, root_cause, floor=self.floor, progressed=progressed
+                r, self._recovery, root_cause, floor=self.floor, progressed=progressed
             )  # noqa: E501
 
         return self._rewrite(make) or self._round_lost()
@@ -336,7 +338,7 @@ class RendezvousHandler:
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.state != RUNNING:
                 return None
-            return counted_failure(r, self.settings, root_cause, now=now, progressed=progressed)
+            return counted_failure(r, self._recovery, root_cause, now=now, progressed=progressed)
 
         return self._rewrite(make) or self._round_lost()
 
