@@ -485,7 +485,7 @@ def main() -> int:
         for n in sizes:
             from flexrun.config import keepalive_defaults
 
-            default = keepalive_defaults(n, etcd=backend == "etcd")
+            default = keepalive_defaults(n, "etcd" if backend == "etcd" else "c10d")
             interval = args.heartbeat_interval or default[0]
             timeout = args.heartbeat_timeout or (default[1] if not args.heartbeat_interval
                                                  else 5 * interval)

@@ -32,11 +32,14 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors", "__init__"},  # (a package: settings, build, parsing, topology...)
     "_cmdutil": {"errors"},
     "_spec": {"errors"},  # the one spec-file reader of k8s and pipeline specs
+    # The recovery rules (restart budget, crash loop, hang calibration): pure; config only
+    # for the settings they are built from.
+    "recovery": {"config"},
     "worker_hook": set(),  # runs inside every worker before the script: stdlib only
     "_hookboot": {"worker_hook"},  # the workers' sitecustomize that installs it
     # Below the agent.
     "store": BASE | {"config", "events"},
-    "rendezvous": BASE | {"config", "events", "store"},
+    "rendezvous": BASE | {"config", "events", "recovery", "store"},
     "proc": BASE,
     "spares": BASE
     | {"proc", "train", "worker_hook"},  # (train: the spare pre-imports what workers use)
@@ -50,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
         "live_protocol",
         "observe",
         "proc",
+        "recovery",
         "rendezvous",
         "spares",
         "store",
@@ -205,6 +209,7 @@ def test_no_module_or_class_outgrows_its_budget() -> None:
 
 PURE = (
     "agent/policy.py",
+    "recovery.py",
     "rendezvous/decide.py",
     "rendezvous/static.py",
     "train/live_plan.py",
@@ -232,3 +237,128 @@ def test_the_decisions_are_pure() -> None:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert not calls & {"open", "print", "input", "exec", "eval"}, f"{rel} calls {calls}"
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (every import: lazy ones and those
+    only for type checking too; a circle of those is still two files that need each other)."""
+    prefix = f"flexrun.{package}"
+    graph: dict[str, set[str]] = {}
+    for path in sorted((SRC / package).rglob("*.py")):
+        me = module_name(path)
+        graph[me] = {m for m in imports_of(path) if m.startswith(prefix) and m != me}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    found: list[str] = []
+
+    def visit(u: str, path: list[str]) -> bool:
+        state[u] = 1
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                found.extend([*path[path.index(v) :], v])
+                return True
+            if state.get(v) is None and visit(v, [*path, v]):
+                return True
+        state[u] = 2
+        return False
+
+    for u in sorted(graph):
+        if state.get(u) is None and visit(u, [u]):
+            break
+    return found
+
+
+def test_no_import_circle_inside_the_rendezvous() -> None:
+    """The roles (watcher, claims, follower, masters) share a session
+    (``rendezvous/session.py``) and the handler sequences them: none of them holds the
+    handler, so no two of its files need each other."""
+    graph = module_graph("rendezvous")
+    assert "flexrun.rendezvous.state" in graph["flexrun.rendezvous.watcher"]  # (read)
+    cycle = cycle_in(graph)
+    assert not cycle, "import circle inside the rendezvous: " + " -> ".join(cycle)
+
+
+RUNNERS = ("agent/runner.py", "agent/restart.py", "agent/live.py")
+"""The runners: they run a round's workers, handed the round and its master address."""
+ROUND_RECORDS = {"flexrun.rendezvous.state", "flexrun.rendezvous.keys"}
+"""What of the rendezvous a runner may name: the round's records (data, no store access)."""
+
+
+def test_no_runner_steps_the_rendezvous() -> None:
+    """The agent's loop publishes or awaits each round's master address and hands it to
+    ``Runner.run_round``: a runner, and every agent module it imports, names no part of
+    the rendezvous beyond the round's records."""
+    seen: set[str] = set()
+    todo = [module_name(SRC / rel) for rel in RUNNERS]
+    bad = []
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        path = SRC.parent / (mod.replace(".", "/") + ".py")
+        if not path.exists():
+            path = SRC.parent / mod.replace(".", "/") / "__init__.py"
+        for dst in imports_of(path):
+            if unit_of(dst) == "rendezvous" and dst not in ROUND_RECORDS:
+                bad.append(f"{mod} -> {dst}")
+            elif unit_of(dst) == "agent":
+                todo.append(dst)
+    assert "flexrun.agent.spec" in seen  # (the walk follows the runners' own imports)
+    assert not bad, "a runner reaches the rendezvous:\n" + "\n".join(bad)
+    # Nor is it handed a way to: the master source is the agent loop's, not a runner's.
+    handed = [rel for rel in RUNNERS[1:] if "MasterSource" in (SRC / rel).read_text()]
+    assert not handed, f"a runner is handed the master source: {handed}"
+
+
+REGISTRY = "config/backends.py"
+"""The store backends' registry: their names and traits (``flexrun.config.backends``)."""
+NOT_A_STORE = {"static"}
+"""torchrun's static rendezvous: a shape of the job (``config/topology.py`` resolves it),
+served by the tcp store; not a choice of store."""
+NAMES_ITS_OWN = ("store/", REGISTRY, "k8s/")
+"""Where backends may be named: the backends themselves, the registry, and the Kubernetes
+renderer (whose spec's ``store.type`` says which server to deploy, and whose manifest
+rules list the PyTorchJob operator's own backend names)."""
+
+
+def test_no_module_outside_the_store_and_the_registry_names_a_backend() -> None:
+    """A new backend is a row in the registry, a constructor in ``store/factory.py``, its
+    module and its contract-suite entry: nobody else decides by a backend's name (they ask
+    for a trait: ``backend_named(name).hosted``, ``.live``, ``.shares_worker_store``...)."""
+    from flexrun.config.backends import ALIASES, BACKENDS
+
+    names = (set(BACKENDS) | set(ALIASES)) - NOT_A_STORE
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith(NAMES_ITS_OWN):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            named = ""
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    elts = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                    for e in elts:
+                        if isinstance(e, ast.Constant) and e.value in names:
+                            named = repr(e.value)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "startswith"
+                and any(
+                    isinstance(a, ast.Constant)
+                    and isinstance(a.value, str)
+                    and any(n.startswith(a.value) for n in names)
+                    for a in node.args
+                )
+            ):
+                named = "startswith"
+            elif isinstance(node, ast.Name) and node.id in ("BACKENDS_ETCD", "BACKENDS_TCP"):
+                named = node.id
+            if named:
+                bad.append(f"{rel}:{getattr(node, 'lineno', '?')}: {named}")
+    assert not bad, "a backend named outside store/ and the registry:\n" + "\n".join(bad)

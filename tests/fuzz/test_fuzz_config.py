@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from flexrun.cli import build_parser
 from flexrun.config import run_config_from_args
+from flexrun.config.backends import backend_named
 from flexrun.config.parsing import parse_kv
-from flexrun.config.rdzv_conf import parse_rdzv_conf
 from flexrun.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(180)
@@ -114,7 +114,8 @@ def test_rdzv_conf_is_a_config_error_or_finite_settings(
 ) -> None:
     text = ",".join(f"{k}={v}" for k, v in pairs)
     try:
-        parsed = parse_rdzv_conf(parse_kv(text), etcd=etcd, max_nodes=max_nodes)
+        backend = backend_named("etcd" if etcd else "c10d")
+        parsed = backend.parse_conf(parse_kv(text), max_nodes=max_nodes)
     except ConfigError as exc:
         assert str(exc) and "\n" not in str(exc)
         return

@@ -2,6 +2,8 @@
 
 Owns the loop that composes the rendezvous handler (membership), a
 :class:`~flexrun.agent.runner.Runner` (the workers, restart or live mode, chosen once),
+the round hand-off between them (the round's master address published or awaited here,
+then handed to the runner: no runner steps the rendezvous),
 the pure failure policy (:mod:`flexrun.agent.policy`: this module only carries its actions
 out), store outages, the agent's own signals, productive-time bookkeeping and the exit
 code (:mod:`flexrun.exitcodes`): 0 success; a failed worker's own code when 1..127;
@@ -23,15 +25,16 @@ from typing import Any
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent import policy
 from flexrun.agent.error_file import write_launcher_error_file
-from flexrun.agent.runner import RoundStart, Runner
+from flexrun.agent.runner import MasterSource, RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.errors import AgentError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
+from flexrun.recovery import RecoverySettings
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
-from flexrun.rendezvous.state import FAILED, RUNNING
+from flexrun.rendezvous.state import FAILED, RUNNING, RoundRecord
 from flexrun.rendezvous.static import store_host_lost
 
 log = logging.getLogger("flexrun.agent")
@@ -93,14 +96,18 @@ class Agent:
         runner: Runner,
         *,
         events: EventLog,
+        masters: MasterSource | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
         self.rdzv = rdzv
         self.runner = runner
+        self.masters = masters
+        """Each round's master address (None: the runner needs none, live mode)."""
         self.events = events
         self.clock = clock
         self.settings = policy.PolicySettings.from_rendezvous(config.rendezvous)
+        self.recovery = RecoverySettings.of(config.rendezvous, hang_timeout_s=config.hang_timeout_s)
         self.phase: policy.Phase = policy.Idle()
         self.uptime = Uptime(clock)
         self._runs = 0  # fresh starts of this node's workers
@@ -202,7 +209,7 @@ class Agent:
         """Carry out the rendezvous' decision."""
         if isinstance(action, Run):
             try:
-                start = self.runner.run_round(action.round)
+                start = start_round(self.runner, self.masters, action.round)
             except OSError as exc:
                 raise AgentError(
                     f"could not start the workers of round {action.round.number}: {exc}"
@@ -223,7 +230,7 @@ class Agent:
                 await_own_exit(self.runner, self.clock, FINISH_WAIT_S)
             self._stop(STOP_GRACE_S, productive=True)
             if action.code == NO_PROGRESS:
-                _crash_loop_exit(self.events, self.config.rendezvous.crash_loop_restarts)
+                _crash_loop_exit(self.events, self.recovery.crash_loop_restarts)
             if action.code != 0:
                 _report_failure(action, self.config.launcher_error_file, self.clock.wall())
             return action.code
@@ -280,8 +287,8 @@ class Agent:
                     "worker %s failed (%s); restarts exhausted (%d allowed%s): not replacing it",
                     cause.worker_id or cause.rank,
                     cause.describe(),
-                    self.config.rendezvous.max_restarts,
-                    _window(self.config.rendezvous.restart_window_s),
+                    self.recovery.max_restarts,
+                    _window(self.recovery.restart_window_s),
                 )
             else:
                 log.warning(
@@ -291,15 +298,15 @@ class Agent:
                     cause.describe(),
                     cause.message,
                     rec.restarts,
-                    self.config.rendezvous.max_restarts,
-                    _window(self.config.rendezvous.restart_window_s),
+                    self.recovery.max_restarts,
+                    _window(self.recovery.restart_window_s),
                 )
             return
         rec = self.rdzv.report_failure(a.round, cause, progressed=progressed)
         self.phase = policy.step(self.phase, policy.Reported(), 0.0, self.settings).phase
         self.events.emit("failure", **{k: v for k, v in cause.to_dict().items() if k != "round"})
         what = f"rank {cause.rank} failed ({cause.describe()})"
-        max_restarts = self.config.rendezvous.max_restarts
+        max_restarts = self.recovery.max_restarts
         if rec.state == FAILED and rec.reason == "no_progress":
             log.error("%s; no step completed since the last restart", what)
         elif rec.state == FAILED:
@@ -376,6 +383,22 @@ class Agent:
         self._outage_tries += 1
         self.clock.sleep(min(2.0, 0.05 * 2 ** min(self._outage_tries, 6)))
         return False
+
+
+def start_round(
+    runner: Runner, masters: MasterSource | None, rnd: RoundRecord
+) -> RoundStart | None:
+    """The round hand-off: the runner ends the earlier round's workers, the loop publishes
+    or awaits the round's master address (the rendezvous steps meanwhile if it must: a
+    round that moves on ends the wait), then the runner starts the workers with it. None:
+    the round moved on before its master came."""
+    runner.prepare_round(rnd)
+    master = None
+    if masters is not None:
+        master = masters(rnd)
+        if master is None:
+            return None  # the round moved on while we waited; the next step re-decides
+    return runner.run_round(rnd, master)
 
 
 # -- signals ------------------------------------------------------------------------------------

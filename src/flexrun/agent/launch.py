@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
-from flexrun.agent.runner import Runner
+from flexrun.agent.runner import MasterSource, Runner
 from flexrun.agent.warm import live_pool, restart_pool
 from flexrun.agent.worker_store import RoundStores, WorkerStores, shares_agent_store
-from flexrun.config import BACKENDS_ETCD, RunConfig, StoreSettings
+from flexrun.config import RunConfig, StoreSettings, backend_named
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
-from flexrun.rendezvous import MasterRecord, NodeRecord, RendezvousHandler, RoundRecord
+from flexrun.rendezvous import NodeRecord, RendezvousHandler
 from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
 from flexrun.store.factory import connect, tcp_address
@@ -35,8 +35,8 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
         StoreUnavailable: the endpoint cannot be reached within the connect timeout.
         ConfigError: the backend is not available in this installation.
     """
-    if settings.backend in BACKENDS_ETCD:
-        return connect(settings), None
+    if not backend_named(settings.backend).hosted:
+        return connect(settings), None  # (a server of its own)
     from flexrun.store.tcp import TcpStoreServer
 
     server: TcpStoreServer | None = None
@@ -67,7 +67,7 @@ def build_agent(
     """This node's agent over ``store``, with the runner of ``config.mode``.
 
     Raises:
-        ConfigError: live mode without the tcp store.
+        ConfigError: live mode without the tcp store (a backend without live support).
     """
     static = config.static
     me = NodeRecord(
@@ -81,6 +81,7 @@ def build_agent(
         store, run_id=config.run_id, me=me, settings=config.rendezvous, events=events
     )
     runner: Runner
+    masters: MasterSource | None = None  # (live mode's workers need none)
     if config.mode == "live":
         addr = tcp_address(store)  # (signed or not: live workers sign with the job secret)
         if addr is None:
@@ -98,7 +99,6 @@ def build_agent(
         )
     else:
         timeout = config.rendezvous.join_timeout_s
-        masters: Callable[[RoundRecord], MasterRecord | None]
         on_close: Callable[[], None] | None = None
         agent_store: bool | None = None  # (a static job's: see RestartRunner)
         if static is not None:
@@ -124,12 +124,11 @@ def build_agent(
             config,
             node_id=me.node_id,
             events=events,
-            masters=masters,
             pool=pool,
             on_close=on_close,
             agent_store=agent_store,
         )
-    return Agent(config, rdzv, runner, events=events)
+    return Agent(config, rdzv, runner, events=events, masters=masters)
 
 
 def launch(config: RunConfig) -> int:

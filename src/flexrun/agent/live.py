@@ -159,17 +159,20 @@ class LiveRunner(LoopProgress):
         return bool(self.slots)
 
     # -- rounds ------------------------------------------------------------------------------
-    def run_round(self, rnd: RoundRecord) -> RoundStart:
+    def prepare_round(self, rnd: RoundRecord) -> None:
+        """Nothing to end: live workers carry on into the new round."""
+
+    def run_round(self, rnd: RoundRecord, master: MasterRecord | None) -> RoundStart:
         """Start this node's workers (once per job, or after a stop); later rounds change
-        only the membership epoch, never the survivors."""
+        only the membership epoch, never the survivors (``master``: None, unused)."""
         self.events.round = rnd.number
+        self.round = rnd
         if self.slots:
             log.info(
                 "round %d (%s): live workers carry on; publishing the new membership",
                 rnd.number,
                 rnd.reason,
             )
-            self.round = rnd
             self.epochs.publish(rnd, self._included())
             start = RoundStart.CONTINUED
         else:
@@ -187,7 +190,6 @@ class LiveRunner(LoopProgress):
         return start
 
     def _start(self, rnd: RoundRecord) -> None:
-        self.round = rnd
         n, first = self.config.nproc_per_node, self.epochs.current() is None
         ids = [f"{self.node}.w{self._seq + 1 + s}" for s in range(n)]  # (as _fill names them)
         envs = lambda: [self._env(s, w, self._hb_root / w) for s, w in enumerate(ids)]  # noqa: E731

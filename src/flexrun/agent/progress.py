@@ -2,7 +2,8 @@
 
 Owns the agent's reading of the progress files that :mod:`flexrun.worker_hook` keeps
 (one per worker, rewritten in place: ``"<steps> <beats>"``, mtime = last sign of life)
-and the calibrated hang rule: a rank is hung when it has shown no sign of life for
+and applies the calibrated hang rule (its calibration, :class:`HangLimits`, is
+:mod:`flexrun.recovery`'s): a rank is hung when it has shown no sign of life for
 
 - before its first step: ``HangLimits.first_step_s`` (init_process_group, the first
   collective, compilation and data warm-up all fit in it);
@@ -19,35 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexrun import worker_hook
-
-DEFAULT_FLOOR_S = 60.0
-"""``--hang-timeout``'s default: no rank is called hung after less silence than this."""
-CAP_S = 1800.0
-"""However slow the steps learned, a rank silent this long is hung."""
-FACTOR = 10.0
-FIRST_STEP_MIN_S = 120.0
-FIRST_STEP_FLOORS = 5.0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class HangLimits:
-    """The calibration of the hang rule (stated in every ``hang_detected`` event)."""
-
-    floor_s: float
-    cap_s: float
-    factor: float = FACTOR
-    first_step_s: float
-
-    @classmethod
-    def from_timeout(cls, hang_timeout_s: float) -> HangLimits | None:
-        """``--hang-timeout``: the floor (0: hang detection off)."""
-        if hang_timeout_s <= 0:
-            return None
-        return cls(
-            floor_s=hang_timeout_s,
-            cap_s=max(CAP_S, hang_timeout_s),
-            first_step_s=max(FIRST_STEP_MIN_S, FIRST_STEP_FLOORS * hang_timeout_s),
-        )
+from flexrun.recovery import HangLimits
 
 
 @dataclass(slots=True)

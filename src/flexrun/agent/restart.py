@@ -4,7 +4,8 @@ Owns the worker group of the current round: building each rank's environment, ta
 warm spares for it, hang detection without the script's help (each worker's progress
 hook, :mod:`flexrun.worker_hook`, read through :mod:`flexrun.agent.progress`), and turning worker exits into the policy's ``Exited`` event
 (each failure with its root cause). It does not decide what a failure means
-(:mod:`flexrun.agent.policy`) nor talk to the store except to learn the round's master.
+(:mod:`flexrun.agent.policy`), nor talk to the store: the agent's loop hands it each round
+with its master address.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import AttemptOutputs
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
-from flexrun.agent.progress import HangLimits, ProgressBook
+from flexrun.agent.progress import ProgressBook
 from flexrun.agent.runner import RoundStart
 from flexrun.agent.spec import worker_envs
 from flexrun.config import RunConfig
@@ -26,6 +27,7 @@ from flexrun.events import EventLog
 from flexrun.proc import Worker, WorkerGroup, build_command, kill_session
 from flexrun.proc.diagnose import in_collective, is_consequence
 from flexrun.proc.stacks import capture_stacks
+from flexrun.recovery import HangLimits, RecoverySettings, hang_limits
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.spares.pool import WarmPool, assign
 
@@ -54,7 +56,6 @@ class RestartRunner:
         *,
         node_id: str,
         events: EventLog,
-        masters: Callable[[RoundRecord], MasterRecord | None],
         pool: WarmPool | None = None,
         clock: Clock = SYSTEM_CLOCK,
         on_close: Callable[[], None] | None = None,
@@ -66,7 +67,6 @@ class RestartRunner:
         """The workers are clients of a store an agent hosts (None: a static job's are)."""
         self.node_id = node_id
         self.events = events
-        self.masters = masters
         self.pool = pool
         self.clock = clock
         self.group: WorkerGroup | None = None
@@ -74,9 +74,12 @@ class RestartRunner:
         self.runs = 0
         """Rounds started so far (TORCHELASTIC_RESTART_COUNT of the next one)."""
         self._started_at = 0.0
+        self._t0: float | None = None  # when the round being started was prepared
         self._cold_workers = 0  # workers of the current round not taken from the warm pool
         self.progress = ProgressBook()
-        self.hang_limits = HangLimits.from_timeout(config.hang_timeout_s)
+        self.hang_limits = hang_limits(
+            RecoverySettings.of(config.rendezvous, hang_timeout_s=config.hang_timeout_s)
+        )
         self._warm_until = 0.0
         self.outputs = AttemptOutputs(config)
         """The round's files and console (and ``--logs-specs``, ``--duplicate-*-filters``)."""
@@ -93,16 +96,21 @@ class RestartRunner:
         return self.group is not None
 
     # -- rounds ------------------------------------------------------------------------------
-    def run_round(self, rnd: RoundRecord) -> RoundStart | None:
+    def prepare_round(self, rnd: RoundRecord) -> None:
         if self.group is not None:
             log.info("round %d (%s): restarting workers", rnd.number, rnd.reason)
             self.events.emit("restart", round=rnd.number, reason=rnd.reason)
             self.stop(RESTART_GRACE_S)
-        t0 = self.clock.monotonic()
+        self._t0 = self.clock.monotonic()
         self.events.emit("rendezvous_started", round=rnd.number)
-        master = self.masters(rnd)
+
+    def run_round(self, rnd: RoundRecord, master: MasterRecord | None) -> RoundStart | None:
+        if self._t0 is None or self.group is not None:
+            self.prepare_round(rnd)
+        t0, self._t0 = self._t0, None
+        assert t0 is not None
         if master is None:
-            return None  # the round moved on while we waited; the next step re-decides
+            return None  # the round moved on while its master was awaited
         self.events.round = rnd.number
         c = self.config
         envs = worker_envs(

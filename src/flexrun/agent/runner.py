@@ -4,7 +4,9 @@ Owns the seam between the agent's loop (rendezvous, policy, signals, outages) an
 two ways of running workers: :class:`flexrun.agent.restart.RestartRunner` (torchrun
 semantics: every round starts the workers afresh) and
 :class:`flexrun.agent.live.LiveRunner` (workers survive rounds; a dead one is replaced).
-The mode is chosen once, when the agent is built; nothing else branches on it.
+The mode is chosen once, when the agent is built; nothing else branches on it. A runner
+never steps the rendezvous: the agent's loop hands it each round with its master address
+(:data:`MasterSource`), which the loop publishes or awaits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from flexrun.agent.policy import Event
-from flexrun.rendezvous.state import RoundRecord
+from flexrun.rendezvous.state import MasterRecord, RoundRecord
+
+MasterSource = Callable[[RoundRecord], MasterRecord | None]
+"""A round's master address (``MASTER_ADDR``/``MASTER_PORT`` of its workers), published by
+this node or awaited from the one that does; None: the round moved on meanwhile. Built
+when the agent is (:func:`flexrun.agent.launch.build_agent`); the agent's loop calls it."""
 
 
 class RoundStart(enum.Enum):
@@ -55,13 +62,21 @@ class Runner(Protocol):
         """Workers of this node run (or are being replaced)."""
         ...
 
-    def run_round(self, rnd: RoundRecord) -> RoundStart | None:
-        """Make this node's workers train in round ``rnd`` (a member of it).
+    def prepare_round(self, rnd: RoundRecord) -> None:
+        """Round ``rnd`` (with this node a member) is about to start, before its master
+        address is known: restart mode stops the workers of an earlier round (emitting
+        ``restart`` and ``rendezvous_started``); live mode keeps them."""
+        ...
 
-        Restart mode stops the workers of an earlier round and starts new ones; live mode
-        starts them once, later only publishes the new membership. Emits the round's
-        ``rendezvous_completed`` and each ``worker_started``. Returns None when the round
-        moved on before the workers could start (the caller steps the rendezvous again).
+    def run_round(self, rnd: RoundRecord, master: MasterRecord | None) -> RoundStart | None:
+        """Make this node's workers train in round ``rnd`` (a member of it) whose master
+        address is ``master`` (None where the mode needs none: live mode).
+
+        Restart mode starts new workers (those of an earlier round stopped, if
+        :meth:`prepare_round` did not); live mode starts them once, later only publishes
+        the new membership. Emits the round's ``rendezvous_completed`` and each
+        ``worker_started``. Returns None when no worker could start (restart mode without
+        a master: the caller steps the rendezvous again).
 
         Raises:
             StoreUnavailable: the store failed while the round was being set up.

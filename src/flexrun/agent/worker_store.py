@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from flexrun.config import BACKENDS_ETCD, RunConfig, StaticJob
+from flexrun.config import RunConfig, StaticJob, backend_named
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.store.tcp import TcpStoreServer
@@ -45,7 +45,7 @@ def shares_agent_store(config: RunConfig) -> bool:
         return False
     if config.static is not None:
         return True
-    if config.store.backend in BACKENDS_ETCD:
+    if not backend_named(config.store.backend).shares_worker_store:
         return False
     return config.environ.get(DISABLE_SHARING, "0") != "1"
 

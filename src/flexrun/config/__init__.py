@@ -7,18 +7,25 @@ frozen dataclasses that library code receives (it never reads the environment it
 Modules: :mod:`.settings` (the dataclasses), :mod:`.build` (flags -> RunConfig),
 :mod:`.parsing` (value syntax), :mod:`.rdzv_conf` (``--rdzv-conf`` keys), :mod:`.topology`
 (one host, elastic or static), :mod:`.netaddr` (the address peers reach), :mod:`.numa`,
-:mod:`.plugins` (torchrun's entry points), :mod:`.credentials` (job secret, etcd password,
-keep-alive defaults). It does not act on the configuration.
+:mod:`.plugins` (torchrun's entry points), :mod:`.credentials` (job secret, etcd password),
+:mod:`.backends` (the store backends' registry: traits, keep-alive defaults). It does not act on the configuration.
 """
 
+from flexrun.config.backends import (
+    BACKENDS,
+    BACKENDS_ETCD,
+    BACKENDS_TCP,
+    KEEPALIVES_PER_S,
+    Backend,
+    backend_named,
+    keepalive_defaults,
+)
 from flexrun.config.credentials import (
     ETCD_PASSWORD_ENV,
     ETCD_PASSWORD_ENV_FILE,
-    KEEPALIVES_PER_S,
     SECRET_ENV,
     SECRET_ENV_FILE,
     generated_secret,
-    keepalive_defaults,
     read_secret_file,
     store_credentials,
 )
@@ -33,9 +40,6 @@ from flexrun.config.parsing import (
     parse_nproc,
 )
 from flexrun.config.settings import (
-    BACKENDS,
-    BACKENDS_ETCD,
-    BACKENDS_TCP,
     DEFAULT_SIGNALS,
     START_METHODS,
     RendezvousSettings,
@@ -60,6 +64,8 @@ __all__ = [
     "read_secret_file",
     "store_credentials",
     "BACKENDS",
+    "Backend",
+    "backend_named",
     "BACKENDS_ETCD",
     "BACKENDS_TCP",
     "DEFAULT_SIGNALS",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrun.config import netaddr, numa, plugins
+from flexrun.config.backends import ALIASES, BACKENDS, backend_named
 from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
@@ -32,9 +33,7 @@ from flexrun.config.parsing import (
     parse_std,
     pet_name,
 )
-from flexrun.config.rdzv_conf import parse_rdzv_conf
 from flexrun.config.settings import (
-    BACKENDS,
     DEFAULT_SIGNALS,
     LIVE_MAX_RESTARTS,
     LIVE_RESTART_WINDOW_S,
@@ -110,18 +109,14 @@ def _stop_grace(a: Mapping[str, Any], environ: Mapping[str, str]) -> float:
 
 def _backend(raw: object) -> str:
     backend = str(raw or "static").strip().lower()
-    if backend == "etcd-v2":
-        log.info(
-            "--rdzv-backend etcd-v2: flexrun talks to etcd through its v3 API (etcd 3.x serves "
-            "both); using its etcd backend"
-        )
-        return "etcd"
+    if backend in ALIASES:
+        name, note = ALIASES[backend]
+        log.info("%s", note)
+        return name
     if backend not in BACKENDS:
         refusal = plugins.rendezvous_handler_refusal(backend)
-        raise ConfigError(
-            refusal
-            or f"--rdzv-backend {raw!r} is unknown; choose one of {', '.join(BACKENDS)}, etcd-v2"
-        )
+        names = ", ".join((*BACKENDS, *ALIASES))
+        raise ConfigError(refusal or f"--rdzv-backend {raw!r} is unknown; choose one of {names}")
     return backend
 
 
@@ -171,9 +166,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     a["rdzv_id_given"] = _given(a, environ, "rdzv_id")
     raw_conf, secret, password = store_credentials(parse_kv(a["rdzv_conf"] or ""), environ)
     shape = _shape(a, environ, None)
-    conf = parse_rdzv_conf(
-        raw_conf, etcd=shape.backend.startswith("etcd"), max_nodes=shape.max_nodes
-    )
+    conf = backend_named(shape.backend).parse_conf(raw_conf, max_nodes=shape.max_nodes)
     if conf.is_host is not None:
         shape = _shape(a, environ, conf.is_host)
     for line in conf.warnings:

@@ -11,7 +11,6 @@ Owned here so that one place reads secrets, in the documented order
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -98,32 +97,6 @@ def store_credentials(
     return rest, secret, password
 
 
-KEEPALIVES_PER_S = 2000.0
-"""The keep-alive writes per second the tcp store is budgeted for at the default interval
-(the numbers behind it: ``flexrun.rendezvous.keepalive``)."""
-
-ETCD_KEEPALIVES_PER_S = 500.0
-"""The same budget for etcd: every request through its JSON gateway costs the server
-a fixed CPU cost, whatever it does (tenths of a millisecond: bench/results/rdzv_scale.txt),
-so 500 keep-alives a second cost it about a quarter of one core."""
-
-
-def keepalive_defaults(max_nodes: int, *, etcd: bool = False) -> tuple[float, float]:
-    """(heartbeat_interval_s, heartbeat_timeout_s) by default for up to ``max_nodes`` nodes.
-
-    tcp (readers judge the TTL and must see renewals): max(1 s, N / 2000 s) and five
-    intervals (1 s / 5 s up to 2000 nodes). etcd (the server expires a lease; etcd's own
-    client renews it every TTL/3): a timeout of max(5, 3N / 500) s rounded up to whole
-    seconds (etcd's lease granularity) and a third of it as the interval: 1.67 s / 5 s up
-    to 833 nodes, 2.33 s / 7 s at 1024, 8.33 s / 25 s at 4096, 20 s / 60 s at 10,000.
-    """
-    if etcd:
-        timeout = float(max(5, math.ceil(3 * max_nodes / ETCD_KEEPALIVES_PER_S)))
-        return timeout / 3, timeout
-    interval = max(1.0, max_nodes / KEEPALIVES_PER_S)
-    return interval, 5 * interval
-
-
 def generated_secret() -> bytes:
     """A fresh random job secret (``--standalone``: one per run)."""
     import secrets
@@ -133,14 +106,11 @@ def generated_secret() -> bytes:
 
 __all__ = [
     "ETCD_PASSWORD_ENV",
-    "ETCD_KEEPALIVES_PER_S",
     "ETCD_PASSWORD_ENV_FILE",
-    "KEEPALIVES_PER_S",
     "MIN_SECRET_BYTES",
     "SECRET_ENV",
     "SECRET_ENV_FILE",
     "generated_secret",
-    "keepalive_defaults",
     "read_secret_file",
     "store_credentials",
 ]

@@ -31,10 +31,9 @@ that name bounds one keep-alive write).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from flexrun.config.credentials import keepalive_defaults
 from flexrun.config.parsing import parse_duration
 from flexrun.errors import ConfigError
 
@@ -63,6 +62,9 @@ ETCD_KEYS = ("cacert", "cert", "key", "tls", "user", "password", "request_timeou
 """Passed on to flexrun's etcd v3 backend (``flexrun.store.etcd``)."""
 CREDENTIAL_KEYS = ("secret_file", "password_file")
 """Read by the job-secret / etcd-password code (:mod:`flexrun.config.credentials`)."""
+STORE_TYPES = ("tcp",)
+"""torchrun's ``store_type`` values flexrun serves: its c10d store is a tcp store (torchrun's
+file store is not supported)."""
 _ETCD_RENAMES = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
 
 
@@ -103,9 +105,15 @@ def _dur(conf: Mapping[str, str], key: str, *, positive: bool = False) -> float 
     return parse_duration(conf[key], f"--rdzv-conf {key}=", positive=positive)
 
 
-def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) -> ParsedConf:
-    """Resolve ``conf`` (from :func:`flexrun.config.parsing.parse_kv`) for an etcd or tcp store
-    of a job of up to ``max_nodes`` nodes (the keep-alive defaults scale with it).
+def parse_rdzv_conf(
+    conf: Mapping[str, str],
+    *,
+    keepalive: tuple[float, float],
+    options: Callable[[Mapping[str, str], dict[str, str], float | None, list[str]], None],
+) -> ParsedConf:
+    """Resolve ``conf`` (from :func:`flexrun.config.parsing.parse_kv`) for one backend
+    (:meth:`flexrun.config.backends.Backend.parse_conf`): ``keepalive`` its default
+    (heartbeat interval, timeout) for the job's size, ``options`` its own options' parser.
 
     Raises:
         ConfigError: a bad value (a non-finite or negative duration, a bad boolean,
@@ -127,7 +135,7 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) 
             "--rdzv-conf heartbeat_interval and keep_alive_interval are the same setting; give one"
         )
     interval = interval if interval is not None else keep_alive
-    default_interval, default_timeout = keepalive_defaults(max_nodes, etcd=etcd)
+    default_interval, default_timeout = keepalive
     hb_interval = interval if interval is not None else default_interval
     hb_timeout = _dur(conf, "heartbeat_timeout", positive=True)
     if "keep_alive_max_attempt" in conf:
@@ -152,20 +160,13 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) 
     if "close_timeout" in conf:
         notes.append("--rdzv-conf close_timeout: accepted; flexrun's close is one compare-and-set")
     store_type = conf.get("store_type", "tcp").strip().lower()
-    if store_type != "tcp":
+    if store_type not in STORE_TYPES:
         raise ConfigError(
             f"--rdzv-conf store_type={conf['store_type']!r}: flexrun's c10d store is a tcp store "
             "(torchrun's file store is not supported)"
         )
     backend_conf = {k: v for k, v in conf.items() if k in ETCD_KEYS or k in CREDENTIAL_KEYS}
-    if etcd:
-        _etcd_synonyms(conf, backend_conf, read, notes)
-    else:
-        given = sorted(k for k in conf if k in ETCD_KEYS or k in _ETCD_RENAMES or k == "protocol")
-        if given:
-            notes.append(f"--rdzv-conf {', '.join(given)}: etcd options, unused by the tcp store")
-        if "etcd_prefix" in conf:
-            notes.append("--rdzv-conf etcd_prefix: an etcd option, unused by the tcp store")
+    options(conf, backend_conf, read, notes)
     return ParsedConf(
         join_timeout_s=600.0 if join is None else join,
         last_call_s=1.0 if last_call is None else last_call,
@@ -180,7 +181,18 @@ def parse_rdzv_conf(conf: Mapping[str, str], *, etcd: bool, max_nodes: int = 1) 
     )
 
 
-def _etcd_synonyms(
+def tcp_options(
+    conf: Mapping[str, str], out: dict[str, str], read: float | None, notes: list[str]
+) -> None:
+    """The tcp store's options: none of its own; etcd's are noted as unused."""
+    given = sorted(k for k in conf if k in ETCD_KEYS or k in _ETCD_RENAMES or k == "protocol")
+    if given:
+        notes.append(f"--rdzv-conf {', '.join(given)}: etcd options, unused by the tcp store")
+    if "etcd_prefix" in conf:
+        notes.append("--rdzv-conf etcd_prefix: an etcd option, unused by the tcp store")
+
+
+def etcd_options(
     conf: Mapping[str, str], out: dict[str, str], read: float | None, notes: list[str]
 ) -> None:
     """torch's etcd (v1 and v2 backends) spellings -> flexrun's etcd v3 options, in ``out``."""

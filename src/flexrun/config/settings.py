@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexrun.config.backends import backend_named
 from flexrun.config.parsing import (
     STREAMS,
     signal_numbers,
@@ -29,9 +30,6 @@ from flexrun.errors import ConfigError
 
 log = logging.getLogger("flexrun.config")
 
-BACKENDS_TCP = ("c10d", "tcp", "static")
-BACKENDS_ETCD = ("etcd", "etcd-v3")
-BACKENDS = BACKENDS_TCP + BACKENDS_ETCD
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -122,10 +120,7 @@ class StoreSettings:
     """The etcd user's password (``--rdzv-conf user=NAME``), never from the command line."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(
-                f"--rdzv-backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}"
-            )
+        backend_named(self.backend)  # (ConfigError: unknown)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -305,9 +300,10 @@ class RunConfig:
             )
         if self.warm_spares < 0:
             raise ConfigError(f"--warm-spares {self.warm_spares}: must be 0 or more")
-        if self.mode == "live" and self.store.backend in BACKENDS_ETCD:
+        if self.mode == "live" and not backend_named(self.store.backend).live:
             raise ConfigError(
-                "--mode live needs the tcp store (--rdzv-backend c10d); etcd serves restart mode"
+                f"--mode live needs the tcp store (--rdzv-backend c10d); "
+                f"{backend_named(self.store.backend).kind} serves restart mode"
             )
         if self.stop_grace_s < 0:
             raise ConfigError("--stop-grace must not be negative")

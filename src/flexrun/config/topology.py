@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from flexrun.config.backends import backend_named
 from flexrun.config.netaddr import is_loopback_literal, is_this_host
 from flexrun.config.parsing import parse_endpoint
 from flexrun.errors import ConfigError
@@ -30,8 +31,6 @@ from flexrun.errors import ConfigError
 log = logging.getLogger("flexrun.config")
 
 MASTER_PORT_DEFAULT = 29500
-C10D_PORT_DEFAULT = 29400
-ETCD_PORT_DEFAULT = 2379
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,26 +136,28 @@ def _static(g: Given) -> Shape:
 
 def _dynamic(g: Given, backend: str) -> Shape:
     lo, hi = g.nnodes
-    etcd = backend.startswith("etcd")
+    store = backend_named(backend)
+    served = not store.hosted  # (a server of its own: etcd)
     if not g.endpoint:
-        if etcd:
-            endpoint = f"localhost:{ETCD_PORT_DEFAULT}"
+        if served:
+            endpoint = f"localhost:{store.default_port}"
         elif hi == 1:
             return Shape(backend=backend, endpoints=(), host_store=True, min_nodes=lo, max_nodes=hi)
         else:
-            endpoint = f"localhost:{C10D_PORT_DEFAULT}"
+            endpoint = f"localhost:{store.default_port}"
     else:
         endpoint = g.endpoint
-    default_port = ETCD_PORT_DEFAULT if etcd else C10D_PORT_DEFAULT
-    eps = tuple(parse_endpoint(endpoint, default_port=default_port, allow_port_zero=not etcd))
+    eps = tuple(
+        parse_endpoint(endpoint, default_port=store.default_port, allow_port_zero=not served)
+    )
     if not eps:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: no HOST:PORT in it")
-    if not etcd and len(eps) != 1:
+    if not served and len(eps) != 1:
         raise ConfigError(
             f"--rdzv-endpoint {endpoint!r}: the {backend} backend takes one HOST:PORT"
         )
     host, port = eps[0]
-    if not etcd and port == 0:
+    if not served and port == 0:
         if not is_this_host(host):
             raise ConfigError(
                 f"--rdzv-endpoint {endpoint!r}: port 0 means a free port on this machine, but "
@@ -169,7 +170,7 @@ def _dynamic(g: Given, backend: str) -> Shape:
                 endpoint,
             )
         return Shape(backend=backend, endpoints=(), host_store=True, min_nodes=lo, max_nodes=hi)
-    host_store = (not etcd) and (g.is_host if g.is_host is not None else is_this_host(host))
+    host_store = (not served) and (g.is_host if g.is_host is not None else is_this_host(host))
     return Shape(
         backend=backend,
         endpoints=eps,

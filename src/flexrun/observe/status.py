@@ -285,8 +285,8 @@ def store_settings_from_args(
         ConfigError: bad backend, endpoint or conf.
     """
     from flexrun.config import (
-        BACKENDS,
         StoreSettings,
+        backend_named,
         parse_endpoint,
         parse_kv,
         process_environ,
@@ -294,10 +294,7 @@ def store_settings_from_args(
     )
 
     backend = backend.strip().lower()
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"--rdzv-backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}"
-        )
+    backend_named(backend)  # (ConfigError: unknown)
     if not endpoint:
         raise ConfigError("--rdzv-endpoint is required: the store's HOST:PORT (the job's value)")
     conf: dict[str, str] = dict(parse_kv(conf_text)) if conf_text else {}

@@ -27,10 +27,9 @@ import logging
 import random
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from flexrun.errors import StoreError
-from flexrun.store.api import Entry, Event, Store
+from flexrun.store.api import Entry, Event, Store, WatchesValues
 
 log = logging.getLogger("flexrun.rendezvous")
 
@@ -54,13 +53,11 @@ class ChangeWatch:
         self._changed = False
         self._thread: threading.Thread | None = None
         self._long_wait_s = LONG_WAIT_S * (1 + JITTER * random.random())
-        prime: Any = getattr(store, "get_prefix_at", None)
-        watch: Any = getattr(store, "watch_values", None)
-        self._prime: Callable[[str], tuple[dict[str, Entry], int]] | None = (
-            prime if callable(prime) and callable(watch) else None
-        )
+        self._prime: Callable[[str], tuple[dict[str, Entry], int]] | None = None
         self._watch_values: Callable[[str, int, float], tuple[list[Event] | None, int]] | None
-        self._watch_values = watch if self._prime is not None else None
+        self._watch_values = None
+        if isinstance(store, WatchesValues):  # (both or neither)
+            self._prime, self._watch_values = store.get_prefix_at, store.watch_values
         # The copy: (prefix, key -> entry, revision it is complete up to); None: none kept.
         self._copy: tuple[str, dict[str, Entry], int] | None = None
 

@@ -21,7 +21,7 @@ from flexrun.rendezvous.follow import claim_check_interval, should_claim
 from flexrun.rendezvous.state import RUNNING, Claim, RoundRecord
 
 if TYPE_CHECKING:
-    from flexrun.rendezvous.handler import RendezvousHandler
+    from flexrun.rendezvous.session import Session
 
 log = logging.getLogger("flexrun.rendezvous")
 
@@ -29,11 +29,10 @@ log = logging.getLogger("flexrun.rendezvous")
 class Claims:
     """The watcher claim as one node sees it."""
 
-    def __init__(self, h: RendezvousHandler) -> None:
-        self.h = h
+    def __init__(self, s: Session) -> None:
+        self.s = s
         self.claim: Claim | None = None
         self.rev = 0
-        self.watching = False
         self.was_watcher = False
         self._last = float("-inf")  # when the claim was last read on the periodic check
         self._seen_at = -1  # header revision when the claim was last read
@@ -41,20 +40,30 @@ class Claims:
         self._vacant_since: float | None = None
         self._unranked_checks = 0  # periodic checks since this node last had a rank
 
+    @property
+    def watching(self) -> bool:
+        """Whether this node holds the watcher claim (kept in the session: its copy of the
+        round directory is not read while it watches)."""
+        return self.s.watching
+
+    @watching.setter
+    def watching(self, value: bool) -> None:
+        self.s.watching = value
+
     def interval(self) -> float:
         """The periodic check's interval for this node now (its rank in the running round
         decides: :func:`claim_check_interval`)."""
-        s = self.h.settings
-        r = self.h.round
+        st = self.s.settings
+        r = self.s.round
         mine = r.mine if r is not None and r.state == RUNNING else None
         rank = mine.group_rank if mine is not None and mine.member else None
-        base = max(s.heartbeat_interval_s, s.heartbeat_timeout_s / 2)
+        base = max(st.heartbeat_interval_s, st.heartbeat_timeout_s / 2)
         return claim_check_interval(base, rank, self._unranked_checks)
 
     def held_elsewhere(self) -> bool:
         """Another node holds the watcher claim (as last read)."""
         c = self.claim
-        return c is not None and c.node not in ("", self.h.me.node_id)
+        return c is not None and c.node not in ("", self.s.me.node_id)
 
     def due(self, now: float) -> bool:
         # From the last check, at the interval of the node's current rank: a node that
@@ -63,7 +72,7 @@ class Claims:
 
     def _checked_at(self, now: float) -> None:
         self._last = now
-        r = self.h.round
+        r = self.s.round
         ranked = r is not None and r.state == RUNNING and r.mine is not None and r.mine.member
         self._unranked_checks = 0 if ranked else self._unranked_checks + 1
 
@@ -74,11 +83,11 @@ class Claims:
         the claim is vacant or its holder looks dead; :meth:`update` reads the claim again
         before judging (a full check reads the header and the claim besides: on the tcp
         store 7 requests where this is 2, and a formation of 4096 nodes cost each node 3)."""
-        h = self.h
+        s = self.s
         claim = self.claim
         if claim is None or not self.held_elsewhere():
             return False
-        if h.store.get(h.keys.heartbeat(claim.node)) is None:
+        if s.store.get(s.keys.heartbeat(claim.node)) is None:
             return False
         self._checked_at(now)
         return True
@@ -87,7 +96,7 @@ class Claims:
         """Read the claim when due (always as the watcher; after the header changed: a new
         watcher proposes, a leaving one touches the header), judge the holder's keep-alive,
         and claim the role when :func:`should_claim` says so."""
-        h = self.h
+        s = self.s
         number = hdr.number if hdr is not None else -1
         # A header rewritten within one round (a touch by a leaving watcher, a failure
         # report, closing) may mean a vacated claim; a new round was proposed by a live
@@ -99,52 +108,52 @@ class Claims:
             return
         if periodic:
             self._checked_at(now)
-        entry = h.read_round_key(h.keys.watcher)
+        entry = s.read_round_key(s.keys.watcher)
         claim: Claim | None = None
         if entry is not None:
             try:
                 claim = Claim.decode(entry.value)
             except RendezvousError as exc:
-                h.rejected(h.keys.watcher, f"corrupt: {exc}"[:200])
+                s.rejected(s.keys.watcher, f"corrupt: {exc}"[:200])
         rev = entry.revision if entry is not None else 0
         alive: bool | None = None
         holder = self.claim.node if self.claim is not None else None
         if (
             claim is not None
             and claim.node
-            and claim.node != h.me.node_id
+            and claim.node != s.me.node_id
             and (periodic or claim.node != holder)
         ):
             # The holder's keep-alive: on the periodic check (what bounds the fallback),
             # or when the holder is new to this node; not at every header change (a
             # round's publication would cost every follower a second read).
-            alive = h.store.get(h.keys.heartbeat(claim.node)) is not None
+            alive = s.store.get(s.keys.heartbeat(claim.node)) is not None
         if claim is None:
             self._vacant_since = now if self._vacant_since is None else self._vacant_since
         else:
             self._vacant_since = None
-        if not h.stopped and should_claim(
+        if not s.stopped and should_claim(
             claim,
             alive,
-            me=h.me.node_id,
+            me=s.me.node_id,
             was_watcher=self.was_watcher,
-            seen_rounds=h.floor > 0,
+            seen_rounds=s.floor > 0,
             vacant_for_s=now - (self._vacant_since or now),
-            settle_s=h.settings.heartbeat_timeout_s,
+            settle_s=s.settings.heartbeat_timeout_s,
         ):
-            new = Claim(h.me.node_id, (claim.term if claim is not None else 0) + 1)
-            ok, won = h.store.compare_and_set(h.keys.watcher, new.encode(), expected_revision=rev)
+            new = Claim(s.me.node_id, (claim.term if claim is not None else 0) + 1)
+            ok, won = s.store.compare_and_set(s.keys.watcher, new.encode(), expected_revision=rev)
             if ok and won is not None:
                 previous = claim.node if claim is not None else ""
                 claim, rev = new, won.revision
-                h.events.emit("watcher_claimed", term=new.term, previous=previous or None)
+                s.events.emit("watcher_claimed", term=new.term, previous=previous or None)
                 log.info("this node watches membership now (term %d)", new.term)
             else:
                 claim = None
                 self._last = float("-inf")  # lost the race: read who won next time
         was = self.watching
         self.claim, self.rev = claim, rev
-        self.watching = claim is not None and claim.node == h.me.node_id
+        self.watching = claim is not None and claim.node == s.me.node_id
         if was and not self.watching:
             log.warning("another node watches membership now: following")
         self.was_watcher = self.was_watcher or self.watching
@@ -153,16 +162,16 @@ class Claims:
         """Give the watcher role up (a graceful leave): vacate the claim, then touch the
         header so that the followers, which read the claim when the header changes, take
         the role over at once instead of at their next periodic check."""
-        h, claim = self.h, self.claim
+        s, claim = self.s, self.claim
         if claim is None:
             return
         vacant = Claim("", claim.term + 1)
-        ok, _ = h.store.compare_and_set(h.keys.watcher, vacant.encode(), expected_revision=self.rev)
-        hdr, rev = h.read_header()
+        ok, _ = s.store.compare_and_set(s.keys.watcher, vacant.encode(), expected_revision=self.rev)
+        hdr, rev = s.read_header()
         if ok and hdr is not None:
-            touched = dataclasses.replace(hdr, seq=h.max_seq + 1)
-            if h.store.compare_and_set(h.keys.round, touched.header(), expected_revision=rev)[0]:
-                h.note_header(touched)
+            touched = dataclasses.replace(hdr, seq=s.max_seq + 1)
+            if s.store.compare_and_set(s.keys.round, touched.header(), expected_revision=rev)[0]:
+                s.note_header(touched)
         self.watching = False
 
 

@@ -2,7 +2,8 @@
 
 Owns the membership rules (rounds, MIN:MAX, last call, stable ranks,
 loss detection, scale-up, closing) as the one node that watches membership applies them
-(:mod:`flexrun.rendezvous.follow` has the other nodes' rules). It performs no I/O and
+(:mod:`flexrun.rendezvous.follow` has the other nodes' rules), and writes the recovery
+rules' verdicts (:mod:`flexrun.recovery`: restart budget, crash loop) into rounds. It performs no I/O and
 reads no clock: the handler builds a :class:`View`, calls :func:`decide`, and carries out
 the action. Unit tests drive it with hand-made views and a fake ``now``.
 """
@@ -17,6 +18,14 @@ from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 from flexrun.errors import RendezvousTimeout
 from flexrun.exitcodes import NO_PROGRESS
+from flexrun.recovery import (
+    CrashLoop,
+    Exhausted,
+    RecoverySettings,
+    live_failure,
+    over_budget,
+    restart_failure,
+)
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
@@ -122,7 +131,7 @@ def next_round(
     number = max(current.number if current is not None else 0, floor) + 1
     restarts = (current.restarts if current is not None else 0) + (1 if failure else 0)
     cause = root_cause
-    if failure and restarts > settings.max_restarts:
+    if failure and over_budget(restarts, RecoverySettings.of(settings)):
         return _exhausted(number, restarts, cause)
     previous = current.member_ids if current is not None else []
     members = order_members(previous, alive, settings.max_nodes)
@@ -136,23 +145,13 @@ def _exhausted(number: int, restarts: int, cause: FailureCause | None) -> RoundR
     return RoundRecord(number, FAILED, (), restarts, "restarts_exhausted", code, cause)
 
 
-def _stalled(current: RoundRecord, progressed: bool | None) -> int:
-    """Failures in a row without a completed step, counting this one (``progressed``
-    None: nobody could observe steps, which never counts as a stall)."""
-    return current.stalled + 1 if progressed is False else 0
-
-
-def _crash_loop(settings: RendezvousSettings, stalled: int) -> bool:
-    return settings.crash_loop_restarts > 0 and stalled > settings.crash_loop_restarts
-
-
 def _no_progress(number: int, restarts: int, stalled: int, c: FailureCause | None) -> RoundRecord:
     return RoundRecord(number, FAILED, (), restarts, "no_progress", NO_PROGRESS, c, stalled=stalled)
 
 
 def counted_failure(
     current: RoundRecord,
-    settings: RendezvousSettings,
+    settings: RecoverySettings,
     cause: FailureCause | None,
     *,
     now: float = 0.0,
@@ -160,30 +159,25 @@ def counted_failure(
 ) -> RoundRecord:
     """Live mode: ``current`` with one more failure counted against --max-restarts (the
     members and the round number stay: survivors keep running), or the job's FAILED round
-    once restarts are spent. With ``settings.restart_window_s`` the budget is per window
-    (``now``: wall time; a failure after the window ended opens a new one)."""
-    restarts = current.restarts + 1
-    stalled = _stalled(current, progressed)
-    if _crash_loop(settings, stalled):
-        return _no_progress(current.number + 1, restarts, stalled, cause)
-    window, counted = settings.restart_window_s, restarts
-    start = current.window
-    if window > 0 and (current.restarts == 0 or now - start >= window):
-        start, counted = now, 1  # a new window: its failures are counted afresh
-    if counted > settings.max_restarts:
-        return _exhausted(current.number + 1, counted, cause)
+    once restarts are spent (:func:`flexrun.recovery.live_failure`: per window, ``now``
+    wall time)."""
+    v = live_failure(current.restarts, current.stalled, current.window, now, progressed, settings)
+    if isinstance(v, CrashLoop):
+        return _no_progress(current.number + 1, v.restarts, v.stalled, cause)
+    if isinstance(v, Exhausted):
+        return _exhausted(current.number + 1, v.restarts, cause)
     return dataclasses.replace(
         current,
-        restarts=counted,
-        stalled=stalled,
-        window=start,
+        restarts=v.restarts,
+        stalled=v.stalled,
+        window=v.window,
         exit_code=0,
     )
 
 
 def failure_round(
     current: RoundRecord,
-    settings: RendezvousSettings,
+    settings: RecoverySettings,
     cause: FailureCause | None,
     *,
     floor: int = 0,
@@ -192,21 +186,19 @@ def failure_round(
     """Restart mode: the round after a worker failure, with the same members (their
     member list, and so its slices, are reused: any node can propose it with one
     compare-and-set); the watcher removes a member that is also gone in a round of its
-    own. The job's FAILED round once restarts are spent: exit code 86 (NO_PROGRESS)
-    when this failure and the ``crash_loop_restarts`` before it all came from rounds that
-    completed no step (``progressed`` False), else the failing worker's code."""
+    own. The job's FAILED round once restarts are spent or in a crash loop (exit code 86,
+    NO_PROGRESS), as :func:`flexrun.recovery.restart_failure` judges."""
     number = max(current.number, floor) + 1
-    restarts = current.restarts + 1
-    stalled = _stalled(current, progressed)
-    if _crash_loop(settings, stalled):
-        return _no_progress(number, restarts, stalled, cause)
-    if restarts > settings.max_restarts:
-        return _exhausted(number, restarts, cause)
+    v = restart_failure(current.restarts, current.stalled, current.window, progressed, settings)
+    if isinstance(v, CrashLoop):
+        return _no_progress(number, v.restarts, v.stalled, cause)
+    if isinstance(v, Exhausted):
+        return _exhausted(number, v.restarts, cause)
     return dataclasses.replace(
         current,
         number=number,
-        restarts=restarts,
-        stalled=stalled,
+        restarts=v.restarts,
+        stalled=v.stalled,
         reason="failure",
         exit_code=0,
         root_cause=cause,

@@ -17,8 +17,7 @@ from flexrun.rendezvous.records import ask_for_slice, read_slice
 from flexrun.rendezvous.state import RUNNING, RoundRecord, Slice, carried_slice, with_loader
 
 if TYPE_CHECKING:
-    from flexrun.rendezvous.claims import Claims
-    from flexrun.rendezvous.handler import RendezvousHandler
+    from flexrun.rendezvous.session import Session
 
 SLICES_KEPT = 4
 
@@ -31,41 +30,42 @@ def member(r: RoundRecord | None) -> bool | None:
 class Follower:
     """The follower role of one handler."""
 
-    def __init__(self, h: RendezvousHandler) -> None:
-        self.h = h
+    def __init__(self, s: Session) -> None:
+        self.s = s
         self.slices: dict[str, Slice] = {}
         self._asked = ""
 
-    def settled(self, claims: Claims) -> bool:
+    def settled(self, held_elsewhere: bool) -> bool:
         """Nothing but a change of what it watches can change this node's decision now:
         its round is settled, or no round exists yet while another node holds the watcher
-        claim (the holder's keep-alive is checked when :meth:`Claims.due`). Not so once
+        claim (``held_elsewhere``; the holder's keep-alive is checked when
+        :meth:`flexrun.rendezvous.claims.Claims.due`). Not so once
         rounds were seen (``floor``): a missing header then means the store lost it, and
         restoring it needs a read."""
-        h = self.h
-        r = h.round
+        s = self.s
+        r = s.round
         if r is None:
-            return h.floor == 0 and claims.held_elsewhere()
+            return s.floor == 0 and held_elsewhere
         return r.state != RUNNING or member(r) is not None
 
     def again(self, running: int | None) -> Action:
         """The decision from what was read last (nothing changed since)."""
-        h = self.h
-        return follow(FollowView(h.me.node_id, h.round, member(h.round), running))
+        s = self.s
+        return follow(FollowView(s.me.node_id, s.round, member(s.round), running))
 
     def step(self, running: int | None, hdr: RoundRecord | None, now: float) -> Action:
-        h = self.h
-        if hdr is None and h.floor > 0:
+        s = self.s
+        if hdr is None and s.floor > 0:
             self.store_lost(running, now)
-            hdr, _ = h.read_header()
+            hdr, _ = s.read_header()
         cur = self.attach(hdr)
-        h.set_round(cur)
-        return follow(FollowView(h.me.node_id, cur, member(cur), running))
+        s.set_round(cur)
+        return follow(FollowView(s.me.node_id, cur, member(cur), running))
 
     def with_slice(self, rnd: RoundRecord) -> RoundRecord:
-        h = self.h
+        s = self.s
         return dataclasses.replace(
-            with_loader(h.store, h.keys, rnd), mine=self.slices.get(rnd.digest)
+            with_loader(s.store, s.keys, rnd), mine=self.slices.get(rnd.digest)
         )
 
     def attach(self, hdr: RoundRecord | None) -> RoundRecord | None:
@@ -73,8 +73,8 @@ class Follower:
         readable on use; asks the watcher once for a slice that is not there."""
         if hdr is None:
             return None
-        h = self.h
-        rnd = with_loader(h.store, h.keys, hdr)
+        s = self.s
+        rnd = with_loader(s.store, s.keys, hdr)
         digest = rnd.digest
         mine = self.slices.get(digest) if digest else None
         if digest and mine is None and rnd.state == RUNNING:
@@ -82,27 +82,27 @@ class Follower:
             carried = carried_slice(old, rnd) if old is not None else None
             # (a member the new list kept in place needs no read: a scale-up costs the
             # members already there nothing)
-            mine = carried or read_slice(h.store, h.keys, digest, h.me.node_id)
+            mine = carried or read_slice(s.store, s.keys, digest, s.me.node_id)
             if mine is not None:
                 self.slices[digest] = mine
                 while len(self.slices) > SLICES_KEPT:
                     del self.slices[next(iter(self.slices))]
             elif self._asked != digest:
-                ask_for_slice(h.store, h.keys, h.me.node_id, digest)
+                ask_for_slice(s.store, s.keys, s.me.node_id, digest)
                 self._asked = digest
         return dataclasses.replace(rnd, mine=mine)
 
     def store_lost(self, running: int | None, now: float) -> None:
         """The header is gone although rounds were seen: the store restarted. Register
         again if the record went too, and put back the round this node trains in."""
-        h = self.h
-        if not h.stopped and h.store.get(h.keys.node(h.me.node_id)) is None:
-            h.reregister(now)
-        known = h.known_round
+        s = self.s
+        if not s.stopped and s.store.get(s.keys.node(s.me.node_id)) is None:
+            s.reregister(now)
+        known = s.known_round
         if running is not None and known is not None:
-            ok, _ = h.store.compare_and_set(h.keys.round, known.header(), expected_revision=0)
+            ok, _ = s.store.compare_and_set(s.keys.round, known.header(), expected_revision=0)
             if ok:
-                h.round_restored(known)
+                s.round_restored(known)
 
 
 __all__ = ["Follower", "member"]

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
-from flexrun.errors import RendezvousError, StoreError
+from flexrun.errors import StoreError
 from flexrun.events import EventLog
-from flexrun.rendezvous.changewatch import ChangeWatch
+from flexrun.recovery import RecoverySettings
 from flexrun.rendezvous.claims import Claims
 from flexrun.rendezvous.decide import (
     Action,
+    Run,
     counted_failure,
     failure_round,
     within_join_timeout,
@@ -37,13 +37,13 @@ from flexrun.rendezvous.follower import Follower
 from flexrun.rendezvous.keepalive import KeepAlive
 from flexrun.rendezvous.masters import Masters
 from flexrun.rendezvous.records import get_at
+from flexrun.rendezvous.session import Session
 from flexrun.rendezvous.state import (
     CLOSED,
     FAILED,
     FINISHED_EARLIER,
     PENDING,
     RUNNING,
-    Keys,
     MasterRecord,
     NodeRecord,
     RoundRecord,
@@ -56,7 +56,8 @@ log = logging.getLogger("flexrun.rendezvous")
 
 
 class RendezvousHandler:
-    """One node's side of the rendezvous of one job."""
+    """One node's side of the rendezvous of one job: sequences the roles over one
+    :class:`~flexrun.rendezvous.session.Session`."""
 
     def __init__(
         self,
@@ -68,48 +69,75 @@ class RendezvousHandler:
         events: EventLog,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.session = s = Session(
+            store, run_id=run_id, me=me, settings=settings, events=events, clock=clock
+        )
         self.store = store
-        self.keys = Keys(run_id)
+        self.keys = s.keys
         self.me = me
-        self._me_raw = me.encode()
         self.settings = settings
         self.events = events
         self.clock = clock
-        self.round: RoundRecord | None = None
-        self.known_round: RoundRecord | None = None
-        self.floor = 0  # the highest round number seen: new rounds are numbered above it
-        self.max_seq = 0  # the highest header write sequence seen
-        self._newest = (0, 0)  # (number, seq) of the newest header seen: older ones are replays
-        self._header: RoundRecord | None = None
-        self.replayed = False
-        self.settle_until = 0.0
         self._since_rev = 0
-        self._high_rev = 0  # the newest header revision this node read or wrote
-        self._masters = Masters(self)
-        self._claims = Claims(self)
-        self._watcher = Watcher(self)
-        self._follower = Follower(self)
+        self._recovery = RecoverySettings.of(settings)
+        self._masters = Masters(s)
+        self._claims = Claims(s)
+        self._watcher = Watcher(s)
+        self._follower = Follower(s)
         self._quiet = False  # the last wait saw no change: the next step needs no read
-        self.judges_ttl = bool(getattr(store, "judges_ttl_locally", False))
-        self._joined_at = clock.monotonic()
-        self._stop = threading.Event()
-        self._keepalive = KeepAlive(self._beat, settings.heartbeat_interval_s, self._stop)
-        self._changes = ChangeWatch(store, self._stop)
-        report_to(store, self.rejected)
+        self._stop = s.stop
+        self._keepalive = KeepAlive(s.beat, settings.heartbeat_interval_s, self._stop)
+        self._changes = s.changes
+        report_to(store, s.rejected)
+
+    # -- the session's state, as the agent and tests read it --------------------------------
+    @property
+    def round(self) -> RoundRecord | None:
+        """The round this node last decided on (None: none yet)."""
+        return self.session.round
+
+    @property
+    def known_round(self) -> RoundRecord | None:
+        return self.session.known_round
+
+    @property
+    def floor(self) -> int:
+        return self.session.floor
+
+    @property
+    def max_seq(self) -> int:
+        return self.session.max_seq
+
+    @property
+    def replayed(self) -> bool:
+        return self.session.replayed
+
+    @property
+    def settle_until(self) -> float:
+        return self.session.settle_until
+
+    @property
+    def judges_ttl(self) -> bool:
+        return self.session.judges_ttl
+
+    @property
+    def _header(self) -> RoundRecord | None:
+        return self.session.header
 
     @property
     def stopped(self) -> bool:
-        return self._stop.is_set()
+        return self.session.stopped
 
     def rejected(self, key: str, reason: str) -> None:
-        self.events.emit("store_record_rejected", key=key, reason=reason)
+        self.session.rejected(key, reason)
 
     # -- membership --------------------------------------------------------------------
     def join(self) -> None:
         """Announce this node and start its keep-alive."""
-        self._beat()
+        s = self.session
+        s.beat()
         self.store.put(self.keys.node(self.me.node_id), self.me.encode())
-        self._joined_at = self.clock.monotonic()
+        s.joined_at = self.clock.monotonic()
         self._keepalive.start()
         self.events.emit(
             "node_joined", node_id=self.me.node_id, addr=self.me.addr, nproc=self.me.nproc
@@ -123,13 +151,7 @@ class RendezvousHandler:
             self.events.emit("store_unauthenticated", node_id=self.me.node_id)
 
     def _beat(self) -> None:
-        # The keep-alive carries the node record: a store that lost the record (restarted)
-        # still knows the node from its next beat.
-        self.store.put(
-            self.keys.heartbeat(self.me.node_id),
-            self._me_raw,
-            ttl_s=self.settings.heartbeat_timeout_s,
-        )
+        self.session.beat()
 
     def leave(self) -> None:
         """Stop the keep-alive and remove this node so the others re-form at once (a
@@ -149,55 +171,12 @@ class RendezvousHandler:
 
     def reregister(self, now: float) -> None:
         """The store lost this node's record (it restarted): register again."""
-        self.store.put(self.keys.node(self.me.node_id), self.me.encode())
-        self._beat()
-        self.settle_until = now + self.settings.heartbeat_timeout_s
-        self._joined_at = now  # the join timeout counts from this (re)join
-        self.events.emit("store_rejoined", node_id=self.me.node_id)
-        log.warning("the store lost this node's record (restarted?): registered again")
+        self.session.reregister(now)
 
     # -- the round header --------------------------------------------------------------
     def read_header(self) -> tuple[RoundRecord | None, int]:
-        """The current header and its revision. An older header than this node has seen
-        (a replay) is rejected: the newest seen stands in for it (``replayed`` is set)."""
-        return self._header_of(self.store.get(self.keys.round))
-
-    def _header_of(self, entry: Entry | None) -> tuple[RoundRecord | None, int]:
-        self.replayed = False
-        if entry is None:
-            return None, 0
-        try:
-            rnd = RoundRecord.decode(entry.value)
-        except RendezvousError as exc:
-            self.rejected(self.keys.round, f"corrupt: {exc}"[:200])
-            return self._header, entry.revision
-        if (rnd.number, rnd.seq) < self._newest:
-            self.replayed = True
-            self.rejected(
-                self.keys.round,
-                f"round {rnd.number} is older than round {self._newest[0]} (replayed)",
-            )
-            return self._header, entry.revision
-        self.note_header(rnd)
-        self._high_rev = max(self._high_rev, entry.revision)
-        return rnd, entry.revision
-
-    def note_header(self, rnd: RoundRecord) -> None:
-        self._newest = max(self._newest, (rnd.number, rnd.seq))
-        self.floor = max(self.floor, rnd.number)
-        self.max_seq = max(self.max_seq, rnd.seq)
-        if self._header is None or (rnd.number, rnd.seq) >= (self._header.number, self._header.seq):
-            self._header = rnd
-
-    def set_round(self, rnd: RoundRecord | None) -> None:
-        self.round = rnd
-        if rnd is not None:
-            self.known_round = rnd
-
-    def round_restored(self, rnd: RoundRecord) -> None:
-        self.settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
-        self.events.emit("round_restored", round=rnd.number)
-        self._masters.restore(rnd.number)
+        """The current header and its revision (:meth:`Session.read_header`)."""
+        return self.session.read_header()
 
     # -- deciding ------------------------------------------------------------------------
     def step(self, running: int | None) -> Action:
@@ -213,17 +192,18 @@ class RendezvousHandler:
         if (
             quiet
             and not self.watching
-            and self._follower.settled(self._claims)
+            and self._follower.settled(self._claims.held_elsewhere())
             and (not self._claims.due(now) or self._claims.quiet_check(now))
         ):
             return self._checked(self._follower.again(running), running, now)
-        copied = self._copied(self.keys.round)
+        s = self.session
+        copied = s.copied(self.keys.round)
         if copied is not None:
             entry, self._since_rev = copied  # (no request: the round directory's copy)
         else:
             entry, self._since_rev = get_at(self.store, self.keys.round)
         read = (self._since_rev, now)  # (the clock was read first: the revision is no older)
-        hdr, rev = self._header_of(entry)
+        hdr, rev = s.header_of(entry)
         now = self.clock.monotonic()
         self._claims.update(hdr, rev, now)
         if self.watching:
@@ -234,20 +214,8 @@ class RendezvousHandler:
         return self._checked(action, running, now)
 
     def read_round_key(self, key: str) -> Entry | None:
-        """A key of the round directory (the claim, a master address): from the local copy
-        a follower keeps of it where the store allows (:mod:`flexrun.rendezvous.changewatch`),
-        else from the store. Not for a value to compare-and-set on at once: the copy may
-        lag the store by a watch delivery (a lost compare-and-set reads it again)."""
-        copied = self._copied(key)
-        return copied[0] if copied is not None else self.store.get(key)
-
-    def _copied(self, key: str) -> tuple[Entry | None, int] | None:
-        """``key`` from the copy, unless this node watches, or has read or written a header
-        newer than the copy has caught up with (it would take its own header write for a
-        replay). (A direct read's store revision does not count: the store's revision runs
-        ahead of a quiet round directory, and the copy would never be read again.)"""
-        copied = None if self.watching else self._changes.read(key)
-        return copied if copied is not None and copied[1] >= self._high_rev else None
+        """A key of the round directory (:meth:`Session.read_round_key`)."""
+        return self.session.read_round_key(key)
 
     @property
     def watching(self) -> bool:
@@ -255,7 +223,8 @@ class RendezvousHandler:
         return self._claims.watching
 
     def _checked(self, action: Action, running: int | None, now: float) -> Action:
-        return within_join_timeout(action, self.round, running, self.settings, now - self._joined_at)
+        since = now - self.session.joined_at
+        return within_join_timeout(action, self.round, running, self.settings, since)
 
     # -- waiting ------------------------------------------------------------------------
     def watched_prefix(self) -> str:
@@ -273,8 +242,36 @@ class RendezvousHandler:
 
     # -- per-round master address ----------------------------------------------------------
     def master_for(self, rnd: RoundRecord, timeout_s: float, port: int = 0) -> MasterRecord | None:
-        """Round ``rnd``'s master address (:mod:`flexrun.rendezvous.masters`)."""
-        return self._masters.master_for(rnd, timeout_s, port)
+        """Round ``rnd``'s master address (:mod:`flexrun.rendezvous.masters`): group rank
+        0's node publishes ``port`` or a free one; the others wait for the publication
+        (None: the round moved on, or ``timeout_s`` passed)."""
+        if rnd.group_rank(self.me.node_id) == 0:
+            return self._masters.publish(rnd, port)
+        found = self._await_master(rnd.number, timeout_s)
+        if found is not None:
+            self._masters.seen(rnd.number, found)
+        return found
+
+    def _await_master(self, number: int, timeout_s: float) -> MasterRecord | None:
+        deadline = self.clock.monotonic() + timeout_s
+        while True:
+            found = self._masters.published(number)
+            if found is not None:
+                return found
+            # Not published yet. Decide as the agent's loop would: rank 0's node may have
+            # left or died before publishing, and this agent, waiting here, may be the only
+            # one left to replace the round (a proposal made here returns Wait).
+            action = self.step(None)
+            if not isinstance(action, Run) or action.round.number != number:
+                return None
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0 or self.stopped:
+                return None
+            # The address is published under the round directory, which this node's change
+            # watch follows from its last read: the publication (or a new header) wakes the
+            # wait, at no request; the keep-alive interval bounds it so that the step above
+            # still checks on the watcher when nothing changes.
+            self.wait(min(remaining, self.settings.heartbeat_interval_s))
 
     def published_master(self, number: int) -> MasterRecord | None:
         return self._masters.published(number)
@@ -297,10 +294,13 @@ class RendezvousHandler:
             if rec is None:
                 return self._with_mine(rnd)
             rec = dataclasses.replace(rec, seq=self.max_seq + 1)
-            ok, won = self.store.compare_and_set(self.keys.round, rec.header(), expected_revision=rev)
+            ok, won = self.store.compare_and_set(
+                self.keys.round, rec.header(), expected_revision=rev
+            )
             if ok:
-                self.note_header(rec)
-                self._high_rev = max(self._high_rev, won.revision if won is not None else 0)
+                s = self.session
+                s.note_header(rec)
+                s.high_rev = max(s.high_rev, won.revision if won is not None else 0)
                 return self._with_mine(rec)
 
     def report_failure(
@@ -314,7 +314,7 @@ class RendezvousHandler:
             if r.number != failed_round or r.state != RUNNING:
                 return None
             return failure_round(
-                r, self.settings, root_cause, floor=self.floor, progressed=progressed
+                r, self._recovery, root_cause, floor=self.floor, progressed=progressed
             )  # noqa: E501
 
         return self._rewrite(make) or self._round_lost()
@@ -324,7 +324,7 @@ class RendezvousHandler:
         failure: nothing to count it against; the next :meth:`step` forms a round above
         every one seen once the nodes have re-registered. Returns the round as last known."""
         log.warning("the store lost the round (restarted?) while reporting a failure: not counted")
-        self.settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
+        self.session.settle_until = self.clock.monotonic() + self.settings.heartbeat_timeout_s
         known = self.known_round
         return known if known is not None else RoundRecord(self.floor, PENDING, (), 0, "lost")
 
@@ -338,7 +338,7 @@ class RendezvousHandler:
         def make(r: RoundRecord) -> RoundRecord | None:
             if r.state != RUNNING:
                 return None
-            return counted_failure(r, self.settings, root_cause, now=now, progressed=progressed)
+            return counted_failure(r, self._recovery, root_cause, now=now, progressed=progressed)
 
         return self._rewrite(make) or self._round_lost()
 
@@ -354,4 +354,3 @@ class RendezvousHandler:
             return dataclasses.replace(r, state=CLOSED, reason=reason, exit_code=0, root_cause=None)
 
         self._rewrite(make)
-

@@ -9,7 +9,7 @@ it does not set them. It does not judge anyone's keep-alive (the watcher does,
 Defaults. N nodes refresh N / interval keep-alives per second. The tcp store's budget for
 them is :data:`BEATS_PER_S` = 2000/s (about 4 requests each, a small share of its server's
 CPU): interval max(1 s, N / 2000 s), timeout five intervals (readers judge
-the age themselves and must see renewals). etcd's is ``ETCD_KEEPALIVES_PER_S`` = 500/s: one
+the age themselves and must see renewals). etcd's is ``backends.ETCD.keepalives_per_s`` = 500/s: one
 lease keep-alive each (the value re-written every TTL), but every request through etcd's
 JSON gateway costs its server a fixed share of CPU whatever it does, and
 the server expires the lease itself, so a renewal every TTL/3 suffices (etcd's own client's

@@ -25,7 +25,7 @@ from flexrun.rendezvous.state import (
     slices_of,
     with_loader,
 )
-from flexrun.store.api import Entry, Store
+from flexrun.store.api import Entry, ReadsAt, Store
 
 
 def write_members(store: Store, keys: Keys, members: Sequence[Member]) -> str:
@@ -48,9 +48,8 @@ def get_at(store: Store, key: str) -> tuple[Entry | None, int]:
     """``key``'s entry and a store revision read before or with it, to watch from: one
     request where the store has ``get_at`` (etcd: a read reports the revision it saw),
     else :meth:`Store.revision` then :meth:`Store.get`."""
-    fn = getattr(store, "get_at", None)
-    if fn is not None:
-        entry, rev = fn(key)
+    if isinstance(store, ReadsAt):
+        entry, rev = store.get_at(key)
         return entry, int(rev)
     rev = store.revision()
     return store.get(key), rev

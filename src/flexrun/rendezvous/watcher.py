@@ -37,7 +37,7 @@ from flexrun.rendezvous.static import decide_static, static_members
 from flexrun.store.api import Entry
 
 if TYPE_CHECKING:
-    from flexrun.rendezvous.handler import RendezvousHandler
+    from flexrun.rendezvous.session import Session
 
 log = logging.getLogger("flexrun.rendezvous")
 
@@ -47,11 +47,11 @@ LISTS_KEPT = 4  # member lists the watcher keeps in memory (current, previous, p
 class Watcher:
     """The watcher role of one handler (state kept across steps while it holds it)."""
 
-    def __init__(self, h: RendezvousHandler) -> None:
-        self.h = h
+    def __init__(self, s: Session) -> None:
+        self.s = s
         self.lists: dict[str, tuple[Member, ...]] = {}
         self.alive_set: frozenset[str] = frozenset()
-        self.candidates_since = h.clock.monotonic()
+        self.candidates_since = s.clock.monotonic()
         # Keep-alives seen: node -> (first revision seen, seen renewed since). Only where
         # readers judge TTLs themselves (tcp): see View.unconfirmed.
         self.beats_seen: dict[str, tuple[int, bool]] = {}
@@ -68,7 +68,7 @@ class Watcher:
         known = self.lists.get(m.digest)
         if known is None:
             try:
-                known = read_members(self.h.store, self.h.keys, m.digest, len(m))
+                known = read_members(self.s.store, self.s.keys, m.digest, len(m))
             except RendezvousError as exc:
                 log.warning("round %d: %s", hdr.number, exc)
                 return None
@@ -77,13 +77,13 @@ class Watcher:
             # A restarted store, and a follower put the header back without the list (it
             # only knows its slice): every reader of the list would fail. Write it back.
             log.warning("round %d: member list missing from the store: written back", hdr.number)
-            write_members(self.h.store, self.h.keys, known)
+            write_members(self.s.store, self.s.keys, known)
         return dataclasses.replace(hdr, members=known)
 
     def _stored(self, digest: str) -> bool:
         """Whether list ``digest`` is in the store (the memory of it can outlive a store
         that restarted)."""
-        return self.h.store.get(self.h.keys.chunk(digest, 0)) is not None
+        return self.s.store.get(self.s.keys.chunk(digest, 0)) is not None
 
     def _keep(self, digest: str, members: tuple[Member, ...]) -> None:
         self.lists[digest] = members
@@ -103,7 +103,7 @@ class Watcher:
         after this watcher's previous read, so not a dead node's old one. A newcomer is
         then taken in at the watcher's first step that sees it, not a keep-alive interval
         later."""
-        h, keys = self.h, self.h.keys
+        s, keys = self.s, self.s.keys
         alive: dict[str, tuple[NodeRecord, int]] = {}
         for key, beat in beats.items():
             node_id = key[len(keys.heartbeats) :]
@@ -114,15 +114,15 @@ class Watcher:
                 continue
             if record.node_id == node_id:
                 alive[node_id] = (record, rec.revision if rec is not None else beat.revision)
-        if h.me.node_id not in alive and not h.stopped:
-            mine = nodes.get(keys.node(h.me.node_id))
-            alive[h.me.node_id] = (h.me, mine.revision if mine is not None else 0)
-        if h.judges_ttl:
+        if s.me.node_id not in alive and not s.stopped:
+            mine = nodes.get(keys.node(s.me.node_id))
+            alive[s.me.node_id] = (s.me, mine.revision if mine is not None else 0)
+        if s.judges_ttl:
             seen = {}
             for node_id in alive:
                 found = beats.get(keys.heartbeat(node_id))
                 rev = found.revision if found is not None else 0
-                new = node_id == h.me.node_id or (fresh_above is not None and rev > fresh_above)
+                new = node_id == s.me.node_id or (fresh_above is not None and rev > fresh_above)
                 first, renewed = self.beats_seen.get(node_id, (rev, new))
                 seen[node_id] = (first, renewed or rev != first)
             self.beats_seen = seen  # a node that vanishes is unconfirmed when it returns
@@ -139,20 +139,20 @@ class Watcher:
     ) -> Action:
         """One watcher step; ``read``: the store revision and the time read before this
         step's reads (what a later step judges a newcomer's first keep-alive by)."""
-        h, keys = self.h, self.h.keys
-        nodes = h.store.get_prefix(keys.nodes)
-        beats = h.store.get_prefix(keys.heartbeats)
-        asks = h.store.get_prefix(keys.asks)
-        now = h.clock.monotonic()
-        fresh_above = fresh_since(self.last_read, now, h.settings.heartbeat_timeout_s)
+        s, keys = self.s, self.s.keys
+        nodes = s.store.get_prefix(keys.nodes)
+        beats = s.store.get_prefix(keys.heartbeats)
+        asks = s.store.get_prefix(keys.asks)
+        now = s.clock.monotonic()
+        fresh_above = fresh_since(self.last_read, now, s.settings.heartbeat_timeout_s)
         self.last_read = read
-        if keys.node(h.me.node_id) not in nodes and not h.stopped:
-            h.reregister(now)  # the store lost our record (it restarted)
-        if hdr is None and h.floor > 0:
-            if running is not None and h.known_round is not None:
-                hdr, hdr_rev = self.restore(h.known_round)
-        elif hdr is not None and h.replayed and h.known_round is not None:
-            hdr, hdr_rev = self.rewrite(h.known_round, hdr_rev)
+        if keys.node(s.me.node_id) not in nodes and not s.stopped:
+            s.reregister(now)  # the store lost our record (it restarted)
+        if hdr is None and s.floor > 0:
+            if running is not None and s.known_round is not None:
+                hdr, hdr_rev = self.restore(s.known_round)
+        elif hdr is not None and s.replayed and s.known_round is not None:
+            hdr, hdr_rev = self.rewrite(s.known_round, hdr_rev)
         cur = self.members(hdr) if hdr is not None else None
         unreadable = hdr is not None and cur is None
         if cur is None and hdr is not None:
@@ -163,29 +163,29 @@ class Watcher:
             self.alive_set = frozenset(alive)
             self.candidates_since = now
         view = View(
-            me=h.me.node_id,
+            me=s.me.node_id,
             round=cur,
             alive=alive,
             registered=registered,
             running=running,
             now=now,
             candidates_since=self.candidates_since,
-            settle_until=h.settle_until,
-            floor=h.floor,
+            settle_until=s.settle_until,
+            floor=s.floor,
             unconfirmed=frozenset(n for n, (_, renewed) in self.beats_seen.items() if not renewed),
         )
-        action = (decide_static if h.settings.static else decide)(view, h.settings)
+        action = (decide_static if s.settings.static else decide)(view, s.settings)
         if unreadable and cur is not None and cur.state == RUNNING:
-            rec = next_round(None, alive, h.settings, "round_repaired", floor=h.floor)
-            if h.settings.static:
-                world = static_members(alive, h.settings.max_nodes)
+            rec = next_round(None, alive, s.settings, "round_repaired", floor=s.floor)
+            if s.settings.static:
+                world = static_members(alive, s.settings.max_nodes)
                 rec = dataclasses.replace(
                     rec, members=world or (), state=RUNNING if world else PENDING
                 )
             action = Propose(rec, cur.number, joined=tuple(rec.member_ids))
         if asks:
             self.answer(asks, cur)
-        h.set_round(cur)
+        s.set_round(cur)
         if isinstance(action, Propose):
             self.propose(action, cur, hdr_rev)
             return Wait("proposed a new round")
@@ -194,42 +194,42 @@ class Watcher:
     # -- writing ------------------------------------------------------------------------------
     def propose(self, p: Propose, cur: RoundRecord | None, cur_rev: int) -> bool:
         """Write the proposal's member list (unless known), then compare-and-set the header."""
-        h = self.h
+        s = self.s
         rec = p.record
         prev, kept = (cur.prev, cur.kept) if cur is not None else ("", 0)
         if cur is not None and cur.digest and cur.digest != rec.digest:
             prev = cur.digest
             known = isinstance(cur.members, tuple)  # (in memory: the list was readable)
             kept = kept_of(cur.members, rec.members) if known and rec.members else 0
-        rec = dataclasses.replace(rec, seq=h.max_seq + 1, prev=prev, kept=kept)
+        rec = dataclasses.replace(rec, seq=s.max_seq + 1, prev=prev, kept=kept)
         digest = rec.digest
         wrote = False
         if rec.members and (digest not in self.lists or not self._stored(digest)):
-            write_members(h.store, h.keys, rec.members)
+            write_members(s.store, s.keys, rec.members)
             self._keep(digest, tuple(rec.members))
             wrote = True
-        ok, _ = h.store.compare_and_set(h.keys.round, rec.header(), expected_revision=cur_rev)
+        ok, _ = s.store.compare_and_set(s.keys.round, rec.header(), expected_revision=cur_rev)
         if not ok:
             if wrote:
-                winner, _ = h.read_header()
+                winner, _ = s.read_header()
                 if winner is None or winner.digest != digest:
-                    h.store.delete_prefix(h.keys.members_of(digest))  # our orphaned list
+                    s.store.delete_prefix(s.keys.members_of(digest))  # our orphaned list
                     self.lists.pop(digest, None)
             return False
-        h.note_header(rec)
+        s.note_header(rec)
         for n in p.lost:
-            h.events.emit("node_lost", node_id=n, round=rec.number)
-            h.store.delete(h.keys.node(n))  # (a node that comes back is seen by its keep-alive)
+            s.events.emit("node_lost", node_id=n, round=rec.number)
+            s.store.delete(s.keys.node(n))  # (a node that comes back is seen by its keep-alive)
         for n in p.left:
-            h.events.emit("node_left", node_id=n, round=rec.number)
+            s.events.emit("node_left", node_id=n, round=rec.number)
         if rec.reason == "scale_up":
-            h.events.emit(
+            s.events.emit(
                 "scale_up", round=rec.number, joined=list(p.joined), nodes=len(rec.members)
             )
         elif rec.reason in ("node_lost", "node_left"):
-            h.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
+            s.events.emit("scale_down", round=rec.number, nodes=len(rec.members))
         if cur is not None and cur.digest != digest and cur.prev not in ("", digest, cur.digest):
-            h.store.delete_prefix(h.keys.members_of(cur.prev))  # two lists back: nobody reads it
+            s.store.delete_prefix(s.keys.members_of(cur.prev))  # two lists back: nobody reads it
             self.lists.pop(cur.prev, None)
         log.info(
             "round %d proposed (%s): %d node(s) %s",
@@ -242,36 +242,36 @@ class Watcher:
 
     def answer(self, asks: dict[str, Entry], cur: RoundRecord | None) -> None:
         """Write the slice each asking node did not find (or that it is not a member)."""
-        h, keys = self.h, self.h.keys
-        mine = {s.node_id: s for s in slices_of(cur.members)} if cur is not None else {}
+        s, keys = self.s, self.s.keys
+        mine = {sl.node_id: sl for sl in slices_of(cur.members)} if cur is not None else {}
         for key, entry in asks.items():
             node_id = key[len(keys.asks) :]
             want = asked_digest(entry.value)
             if cur is not None and want and want == cur.digest:
-                write_slice(h.store, keys, mine.get(node_id) or Slice(want, node_id, False))
-            h.store.delete(key)
+                write_slice(s.store, keys, mine.get(node_id) or Slice(want, node_id, False))
+            s.store.delete(key)
 
     def restore(self, known: RoundRecord) -> tuple[RoundRecord | None, int]:
         """The store lost the round this node runs: put it (and its list) back."""
-        h = self.h
+        s = self.s
         full = self.members(known)
         if full is not None and full.members:
-            write_members(h.store, h.keys, full.members)
-        ok, entry = h.store.compare_and_set(h.keys.round, known.header(), expected_revision=0)
+            write_members(s.store, s.keys, full.members)
+        ok, entry = s.store.compare_and_set(s.keys.round, known.header(), expected_revision=0)
         if ok:
-            h.round_restored(known)
-        return h.read_header()
+            s.round_restored(known)
+        return s.read_header()
 
     def rewrite(self, known: RoundRecord, rev: int) -> tuple[RoundRecord | None, int]:
         """An older round than seen was written over the current one (a replay): write the
         current one back above it."""
-        h = self.h
-        rec = dataclasses.replace(known, seq=h.max_seq + 1)
-        ok, _ = h.store.compare_and_set(h.keys.round, rec.header(), expected_revision=rev)
+        s = self.s
+        rec = dataclasses.replace(known, seq=s.max_seq + 1)
+        ok, _ = s.store.compare_and_set(s.keys.round, rec.header(), expected_revision=rev)
         if ok:
-            h.note_header(rec)
+            s.note_header(rec)
             log.warning("round %d written back over an older (replayed) round record", rec.number)
-        return h.read_header()
+        return s.read_header()
 
 
 __all__ = ["Watcher"]

@@ -18,7 +18,7 @@ transfers only what changed since the previous one (both backends keep a snapsho
 
 Optional: a store whose reads report the store revision they saw (etcd) also has
 ``get_at(key) -> (Entry | None, revision)``, one request that stands for :meth:`revision`
-then :meth:`get`; callers look it up with ``getattr`` and fall back to those two.
+then :meth:`get` (:class:`ReadsAt`); callers fall back to those two without it.
 
 Optional, together: a store whose change notifications carry the written values (etcd's
 watch events hold them) has ``get_prefix_at(prefix) -> (entries, revision)``, every live
@@ -30,7 +30,7 @@ None: deleted or expired), empty when ``timeout_s`` passed, None when the store 
 longer tell (its history was compacted: read the prefix again); ``revision`` is the next
 ``since_revision``, no event at or below it is missing. With both, a reader keeps a copy
 of a small prefix up to date at no request per change (:mod:`flexrun.rendezvous.changewatch`).
-Callers look them up with ``getattr``.
+Callers ask for them as :class:`WatchesValues`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Store(Protocol):
         the tcp store lets each reader judge (it must have watched the key unchanged for
         ``ttl_s``, so a key it sees for the first time looks fresh for a full TTL: such a
         store sets a class attribute ``judges_ttl_locally = True``, which callers read
-        with ``getattr``).
+        with :func:`judges_ttl_locally`).
 
         Raises:
             StoreUnavailable: the store cannot be reached.
@@ -159,3 +159,33 @@ class Store(Protocol):
     def close(self) -> None:
         """Release connections. Idempotent."""
         ...
+
+
+@runtime_checkable
+class ReadsAt(Protocol):
+    """Optional: a read that reports the store revision it saw (etcd)."""
+
+    def get_at(self, key: str) -> tuple[Entry | None, int]: ...
+
+
+@runtime_checkable
+class WatchesValues(Protocol):
+    """Optional: change notifications that carry the written values (etcd)."""
+
+    def get_prefix_at(self, prefix: str) -> tuple[dict[str, Entry], int]: ...
+
+    def watch_values(
+        self, prefix: str, since_revision: int, timeout_s: float
+    ) -> tuple[list[Event] | None, int]: ...
+
+
+@runtime_checkable
+class JudgesTtl(Protocol):
+    """A store whose readers judge a keep-alive's age themselves (tcp: see :meth:`Store.put`)."""
+
+    judges_ttl_locally: bool
+
+
+def judges_ttl_locally(store: object) -> bool:
+    """Whether ``store``'s readers judge keep-alive TTLs themselves (:class:`JudgesTtl`)."""
+    return isinstance(store, JudgesTtl) and bool(store.judges_ttl_locally)

@@ -1,6 +1,7 @@
 """Open a store client from :class:`flexrun.config.StoreSettings` (never hosts a server).
 
-Owns the choice of backend class, the one clear error when a backend is not installed,
+Owns the backends' constructor table (:data:`CONNECTORS`, keyed by the registry's
+:attr:`flexrun.config.backends.Backend.kind`), the one clear error when a backend is not installed,
 and authentication: with a job secret every client built here is a
 :class:`~flexrun.store.signed.SignedStore`, so no caller has to remember it. Hosting a
 tcp store is the agent's business (``flexrun.agent.launch``).
@@ -9,9 +10,9 @@ tcp store is the agent's business (``flexrun.agent.launch``).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from flexrun.config import BACKENDS_ETCD, SECRET_ENV_FILE, StoreSettings, read_secret_file
+from flexrun.config import SECRET_ENV_FILE, StoreSettings, backend_named, read_secret_file
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.store.api import Store
 from flexrun.store.signed import SignedStore
@@ -25,18 +26,29 @@ def connect(settings: StoreSettings, endpoint: tuple[str, int] | None = None) ->
         StoreUnavailable: the endpoint does not answer within the connect timeout.
         ConfigError: the backend is not available in this installation.
     """
-    store: Store
-    if settings.backend in BACKENDS_ETCD:
-        from flexrun.store.etcd import EtcdStore
-
-        store = EtcdStore.from_settings(settings)
-    else:
-        if endpoint is None:
-            if not settings.endpoints:
-                raise ConfigError("no store endpoint given (--rdzv-endpoint HOST:PORT)")
-            endpoint = settings.endpoints[0]
-        store = _tcp(endpoint[0], endpoint[1], settings.connect_timeout_s)
+    store = CONNECTORS[backend_named(settings.backend).kind](settings, endpoint)
     return SignedStore(store, settings.secret) if settings.secret is not None else store
+
+
+def _connect_tcp(settings: StoreSettings, endpoint: tuple[str, int] | None) -> Store:
+    if endpoint is None:
+        if not settings.endpoints:
+            raise ConfigError("no store endpoint given (--rdzv-endpoint HOST:PORT)")
+        endpoint = settings.endpoints[0]
+    return _tcp(endpoint[0], endpoint[1], settings.connect_timeout_s)
+
+
+def _connect_etcd(settings: StoreSettings, endpoint: tuple[str, int] | None) -> Store:
+    from flexrun.store.etcd import EtcdStore
+
+    return EtcdStore.from_settings(settings)
+
+
+CONNECTORS: Mapping[str, Callable[[StoreSettings, tuple[str, int] | None], Store]] = {
+    "tcp": _connect_tcp,
+    "etcd": _connect_etcd,
+}
+"""Each backend's client (its module imported on use: etcd's only where it is chosen)."""
 
 
 def connect_from_env(

@@ -22,7 +22,7 @@ from flexrun.errors import StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, Run, Stop, Wait
 from flexrun.rendezvous.decide import Action
-from flexrun.rendezvous.state import RUNNING, Member, RoundRecord
+from flexrun.rendezvous.state import RUNNING, MasterRecord, Member, RoundRecord
 from flexrun.testing import FakeClock
 
 
@@ -97,6 +97,8 @@ class FakeRunner:
         self.closed = False
         self.progressed: bool | None = None
         self.first_step: float | None = None
+        self.prepared: list[int] = []
+        self.masters: list[MasterRecord | None] = []
 
     def made_progress(self) -> bool | None:
         return self.progressed
@@ -108,8 +110,12 @@ class FakeRunner:
     def active(self) -> bool:
         return self.running
 
-    def run_round(self, r: RoundRecord) -> RoundStart | None:
+    def prepare_round(self, r: RoundRecord) -> None:
+        self.prepared.append(r.number)
+
+    def run_round(self, r: RoundRecord, master: MasterRecord | None) -> RoundStart | None:
         self.rounds.append(r.number)
+        self.masters.append(master)
         self.running = True
         return self.start
 
@@ -134,7 +140,12 @@ class FakeRunner:
 
 
 def make(
-    tmp_path, rdzv: FakeRendezvous, runner: FakeRunner, *, max_restarts: int = 3
+    tmp_path,
+    rdzv: FakeRendezvous,
+    runner: FakeRunner,
+    *,
+    max_restarts: int = 3,
+    masters: Callable[[RoundRecord], MasterRecord | None] | None = None,
 ) -> tuple[Agent, FakeClock]:
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -145,7 +156,7 @@ def make(
     )
     clock = FakeClock()
     events = EventLog(tmp_path, run_id="job", node="n1", clock=clock)
-    agent = Agent(config, rdzv, runner, events=events, clock=clock)  # type: ignore[arg-type]
+    agent = Agent(config, rdzv, runner, events=events, masters=masters, clock=clock)  # type: ignore[arg-type]
     return agent, clock
 
 
@@ -166,6 +177,28 @@ def test_workers_that_finish_close_the_job_and_exit_zero(tmp_path) -> None:
     agent, _ = make(tmp_path, rdzv, runner)
     assert agent.run() == 0
     assert rdzv.closed == [1] and runner.rounds == [1] and runner.closed and rdzv.left
+
+
+@pytest.mark.timeout(10)
+def test_the_loop_hands_each_round_its_master_and_starts_none_whose_master_never_came(
+    tmp_path,
+) -> None:
+    """The round hand-off: the runner ends the earlier round, the loop awaits the master
+    (the rendezvous' business, never the runner's), then the runner starts with it."""
+    master = MasterRecord("10.0.0.1", 29555)
+    asked: list[int] = []
+
+    def masters(r: RoundRecord) -> MasterRecord | None:
+        asked.append(r.number)
+        return None if r.number == 1 else master  # round 1 moved on while awaited
+
+    rdzv = FakeRendezvous([Run(rnd(1, "n1")), Run(rnd(2, "n1"))])
+    runner = FakeRunner([finished()])
+    agent, _ = make(tmp_path, rdzv, runner, masters=masters)
+    assert agent.run() == 0
+    assert asked == [1, 2] and runner.prepared == [1, 2]
+    assert runner.rounds == [2] and runner.masters == [master]  # round 1 never started
+    assert rdzv.closed == [2]
 
 
 @pytest.mark.timeout(10)
@@ -315,7 +348,7 @@ def test_workers_that_cannot_start_are_one_clear_agent_error(tmp_path) -> None:
     rdzv = FakeRendezvous([Run(rnd(1, "n1"))])
     runner = FakeRunner([])
 
-    def no_fork(r: RoundRecord) -> RoundStart | None:
+    def no_fork(r: RoundRecord, master: MasterRecord | None) -> RoundStart | None:
         raise OSError(24, "Too many open files")
 
     runner.run_round = no_fork  # type: ignore[method-assign]

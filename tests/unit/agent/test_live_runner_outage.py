@@ -119,7 +119,7 @@ def test_a_live_worker_lost_during_an_outage_is_replaced_and_reported_once_it_re
 ) -> None:
     store, pool = SwitchedStore(), FakePool(tmp_path)
     runner = live_runner(tmp_path, store, pool)
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), None)
     for lw in runner.slots.values():
         touch_heartbeat(lw.heartbeat)
         mark_state(lw.heartbeat)

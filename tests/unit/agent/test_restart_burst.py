@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_runners import FakePool, restart_runner, rnd
+from test_runners import MASTER, FakePool, restart_runner, rnd
 
 from flexrun.agent.restart import SPARE_BOOT_WAIT_S
 from flexrun.proc import Worker
@@ -33,6 +33,6 @@ def test_the_ranks_of_a_round_share_one_wait_for_booting_spares(tmp_path: Path) 
     pool = SlowPool(tmp_path)
     runner, _ = restart_runner(tmp_path, pool)
     pool.clock = runner.clock  # type: ignore[assignment]
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), MASTER)
     assert pool.waits == [SPARE_BOOT_WAIT_S, SPARE_BOOT_WAIT_S - 6.0]
     runner.stop(0)

@@ -115,6 +115,9 @@ def events_of(run_dir: Path) -> list[dict]:
 
 
 # -- restart mode ---------------------------------------------------------------------------
+MASTER = MasterRecord("10.0.0.1", 29555)
+
+
 def restart_runner(tmp_path: Path, pool: FakePool, **kw: object) -> tuple[RestartRunner, Path]:
     c = config(tmp_path, **kw)
     ev = EventLog(c.run_dir, run_id="job", node="n1")
@@ -122,7 +125,6 @@ def restart_runner(tmp_path: Path, pool: FakePool, **kw: object) -> tuple[Restar
         c,
         node_id="n1",
         events=ev,
-        masters=lambda r: MasterRecord("10.0.0.1", 29555),
         pool=pool,  # type: ignore[arg-type]
         clock=FakeClock(),
     )
@@ -133,7 +135,7 @@ def restart_runner(tmp_path: Path, pool: FakePool, **kw: object) -> tuple[Restar
 def test_restart_runner_starts_each_rank_with_torchruns_environment(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, run_dir = restart_runner(tmp_path, pool)
-    assert runner.run_round(rnd(4, ("n0", 2), ("n1", 2))) is RoundStart.FRESH
+    assert runner.run_round(rnd(4, ("n0", 2), ("n1", 2)), MASTER) is RoundStart.FRESH
     tasks = [json.loads(w.proc.stdin.sent) for w in pool.taken]  # type: ignore[union-attr]
     assert [t["env"]["RANK"] for t in tasks] == ["2", "3"]
     env = tasks[0]["env"]
@@ -159,7 +161,7 @@ def test_restart_runner_reports_a_failure_with_its_error_file_and_an_echo_as_suc
 ) -> None:
     pool = FakePool(tmp_path)
     runner, _ = restart_runner(tmp_path, pool)
-    runner.run_round(rnd(1, ("n1", 2), ("n2", 2)))
+    runner.run_round(rnd(1, ("n1", 2), ("n2", 2)), MASTER)
     w0, w1 = runner.group.workers  # type: ignore[union-attr]
     w0.error_file.write_text(json.dumps({"message": "ValueError: bad shard"}))
     w0.proc.end(1)  # type: ignore[attr-defined]
@@ -178,7 +180,7 @@ def test_restart_runner_reports_a_failure_with_its_error_file_and_an_echo_as_suc
 def test_restart_runner_blames_and_ends_a_silent_rank(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, run_dir = restart_runner(tmp_path, pool, hang_timeout_s=30.0)
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), MASTER)
     w0, w1 = runner.group.workers  # type: ignore[union-attr]
     now = runner.clock.wall()
     for w, age in ((w0, 100.0), (w1, 1.0)):
@@ -197,10 +199,8 @@ def test_restart_runner_blames_and_ends_a_silent_rank(tmp_path: Path) -> None:
 @pytest.mark.timeout(20)
 def test_restart_runner_does_not_start_a_round_whose_master_never_came(tmp_path: Path) -> None:
     c = config(tmp_path)
-    runner = RestartRunner(
-        c, node_id="n1", events=EventLog(c.run_dir, run_id="j"), masters=lambda r: None
-    )
-    assert runner.run_round(rnd(2, ("n0", 1), ("n1", 2))) is None
+    runner = RestartRunner(c, node_id="n1", events=EventLog(c.run_dir, run_id="j"))
+    assert runner.run_round(rnd(2, ("n0", 1), ("n1", 2)), None) is None
     assert not runner.active and runner.runs == 0
 
 
@@ -210,7 +210,7 @@ def test_restart_runner_refills_its_pool_after_warm_starts_at_once(tmp_path: Pat
     runner, _ = restart_runner(tmp_path, pool)
     runner.tend()
     assert pool.fills == 0  # nothing ran yet: the launcher fills it
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), MASTER)
     runner.tend()
     assert pool.fills == 1  # every worker was warm: no cold start to protect
     runner.stop(0)
@@ -241,7 +241,7 @@ def epoch(store: MemoryStore) -> EpochRecord:
 def test_live_runner_starts_once_and_publishes_the_first_epoch(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, store, _ = live_runner(tmp_path, pool)
-    assert runner.run_round(rnd(1, ("n1", 2))) is RoundStart.FRESH
+    assert runner.run_round(rnd(1, ("n1", 2)), None) is RoundStart.FRESH
     assert epoch(store) == EpochRecord(1, ("n1.w1", "n1.w2"), False)
     node = store.get(LiveKeys("job").node("n1"))
     assert node is not None and NodeWorkers.decode(node.value).workers == ("n1.w1", "n1.w2")
@@ -249,7 +249,7 @@ def test_live_runner_starts_once_and_publishes_the_first_epoch(tmp_path: Path) -
     assert env["FLEXRUN_LIVE"] == "1" and env["FLEXRUN_WORKER_ID"] == "n1.w1"
     assert "MASTER_ADDR" not in env
     # A later round keeps the workers.
-    assert runner.run_round(rnd(2, ("n1", 2))) is RoundStart.CONTINUED
+    assert runner.run_round(rnd(2, ("n1", 2)), None) is RoundStart.CONTINUED
     assert len(pool.taken) == 2
     runner.close()
 
@@ -260,7 +260,7 @@ def test_live_runner_replaces_a_dead_worker_from_a_spare_and_aborts_the_epoch(
 ) -> None:
     pool = FakePool(tmp_path)
     runner, store, run_dir = live_runner(tmp_path, pool)
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), None)
     for lw in runner.slots.values():
         touch_heartbeat(lw.heartbeat)
         mark_state(lw.heartbeat)
@@ -282,7 +282,7 @@ def test_live_runner_replaces_a_dead_worker_from_a_spare_and_aborts_the_epoch(
 def test_live_runner_falls_back_when_every_holder_of_the_state_died(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, store, run_dir = live_runner(tmp_path, pool)
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), None)
     store.put(LiveKeys("job").formed, b"1")
     for lw in runner.slots.values():
         lw.worker.proc.end(1)  # type: ignore[attr-defined]
@@ -297,7 +297,7 @@ def test_live_runner_falls_back_when_every_holder_of_the_state_died(tmp_path: Pa
 def test_live_runner_kills_a_worker_whose_heartbeat_is_too_old(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, _, run_dir = live_runner(tmp_path, pool)
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), None)
     hb = runner.slots[1].heartbeat
     touch_heartbeat(hb)
     old = time.time() - 60
@@ -312,7 +312,7 @@ def test_live_runner_kills_a_worker_whose_heartbeat_is_too_old(tmp_path: Path) -
 def test_live_runner_reports_the_finish_when_every_worker_completed(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, _, _ = live_runner(tmp_path, pool)
-    runner.run_round(rnd(1, ("n1", 2)))
+    runner.run_round(rnd(1, ("n1", 2)), None)
     assert runner.poll() is None
     for lw in runner.slots.values():
         lw.worker.proc.end(0)  # type: ignore[attr-defined]

@@ -1,9 +1,9 @@
-"""The restart-budget rules of decide.py: crash loops (exit 86) and live mode's window."""
+"""The restart-budget rules (flexrun.recovery, written into rounds by decide.py): crash loops (exit 86) and live mode's window."""
 
 from __future__ import annotations
 
-from flexrun.config import RendezvousSettings
 from flexrun.exitcodes import NO_PROGRESS
+from flexrun.recovery import RecoverySettings
 from flexrun.rendezvous.decide import counted_failure, failure_round
 from flexrun.rendezvous.state import FAILED, RUNNING, Member, RoundRecord
 
@@ -13,7 +13,7 @@ def _round() -> RoundRecord:
 
 
 def test_a_crash_loop_ends_with_86_after_k_restarts_without_a_step() -> None:
-    s = RendezvousSettings(max_restarts=100, crash_loop_restarts=3)
+    s = RecoverySettings(max_restarts=100, crash_loop_restarts=3)
     r = _round()
     for _ in range(3):  # the first run and two restarts fail without a step: restart
         r = failure_round(r, s, None, progressed=False)
@@ -23,7 +23,7 @@ def test_a_crash_loop_ends_with_86_after_k_restarts_without_a_step() -> None:
 
 
 def test_progress_between_failures_resets_the_count() -> None:
-    s = RendezvousSettings(max_restarts=100, crash_loop_restarts=2)
+    s = RecoverySettings(max_restarts=100, crash_loop_restarts=2)
     r = _round()
     for progressed in (False, False, True, False, False, None, False, False):
         r = failure_round(r, s, None, progressed=progressed)
@@ -33,18 +33,18 @@ def test_progress_between_failures_resets_the_count() -> None:
 
 def test_crash_loop_control_off_and_restart_budget_first() -> None:
     r = _round()
-    off = RendezvousSettings(max_restarts=5, crash_loop_restarts=0)
+    off = RecoverySettings(max_restarts=5, crash_loop_restarts=0)
     for _ in range(5):
         r = failure_round(r, off, None, progressed=False)
     r = failure_round(r, off, None, progressed=False)
     assert r.state == FAILED and r.reason == "restarts_exhausted"
     # torchrun's default budget (0) ends the job at its first failure, with its own code
-    r = failure_round(_round(), RendezvousSettings(max_restarts=0), None, progressed=False)
+    r = failure_round(_round(), RecoverySettings(max_restarts=0), None, progressed=False)
     assert r.reason == "restarts_exhausted"
 
 
 def test_live_mode_counts_its_budget_per_window() -> None:
-    s = RendezvousSettings(max_restarts=2, restart_window_s=100.0)
+    s = RecoverySettings(max_restarts=2, restart_window_s=100.0)
     r = _round()
     r = counted_failure(r, s, None, now=1000.0)
     r = counted_failure(r, s, None, now=1050.0)
@@ -55,6 +55,6 @@ def test_live_mode_counts_its_budget_per_window() -> None:
 
 
 def test_the_budget_fields_survive_the_header() -> None:
-    r = failure_round(_round(), RendezvousSettings(max_restarts=9), None, progressed=False)
+    r = failure_round(_round(), RecoverySettings(max_restarts=9), None, progressed=False)
     back = RoundRecord.decode(r.header())
     assert back.stalled == 1 and back.restarts == 1

@@ -80,12 +80,12 @@ def test_keep_alive_defaults_scale_with_the_job() -> None:
     assert keepalive_defaults(4096) == (4096 / 2000, 5 * 4096 / 2000)
     assert keepalive_defaults(10_000) == (5.0, 25.0)
     # etcd expires leases itself (whole seconds): TTL/3 renewals within 500 requests/s
-    assert keepalive_defaults(4, etcd=True) == (5 / 3, 5.0)
-    assert keepalive_defaults(1024, etcd=True) == (7 / 3, 7.0)
-    assert keepalive_defaults(4096, etcd=True) == (25 / 3, 25.0)
-    assert keepalive_defaults(10_000, etcd=True) == (20.0, 60.0)
+    assert keepalive_defaults(4, "etcd") == (5 / 3, 5.0)
+    assert keepalive_defaults(1024, "etcd") == (7 / 3, 7.0)
+    assert keepalive_defaults(4096, "etcd") == (25 / 3, 25.0)
+    assert keepalive_defaults(10_000, "etcd") == (20.0, 60.0)
     for n in (1, 833, 1024, 4096, 10_000, 50_000):
-        interval, timeout = keepalive_defaults(n, etcd=True)
+        interval, timeout = keepalive_defaults(n, "etcd")
         assert n / interval <= 500 + 1e-9 and timeout == int(timeout) and timeout >= 5
 
 
