@@ -43,7 +43,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 def _add_store(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
     p = sub.add_parser("store", help="run the embedded tcp rendezvous store as its own process")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this host only; give the address "
+        "other nodes reach, or 0.0.0.0, for a multi-node job)",
+    )
     p.add_argument("--port", type=int, default=29400, help="port to listen on")
     p.set_defaults(func=_cmd_store)
 
