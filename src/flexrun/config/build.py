@@ -23,6 +23,7 @@ from flexrun.config import netaddr, numa, plugins
 from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
+    check_name,
     parse_duration,
     parse_kv,
     parse_nnodes,
@@ -158,7 +159,12 @@ def _run_id(a: Mapping[str, Any], shape: Shape) -> str:
     run_id = raw or "none"
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
         raise ConfigError(f"--rdzv-id {run_id!r}: use letters, digits, '.', '_' or '-'")
-    return run_id
+    return check_name(run_id, "--rdzv-id")
+
+
+def _node_id(a: Mapping[str, Any]) -> str:
+    given = a.get("node_id")
+    return default_node_id() if given is None else check_name(str(given), "--node-id")
 
 
 def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
@@ -257,10 +263,10 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         no_python=no_python,
         nproc_per_node=nproc,
         run_id=run_id,
-        node_id=a.get("node_id") or default_node_id(),
+        node_id=_node_id(a),
         local_addr=advertised.addr,
         socket_ifname=advertised.ifname,
-        role=a["role"],
+        role=check_name(str(a["role"]), "--role"),
         run_dir=run_dir.absolute(),
         log_dir=log_dir,
         console_streams=(STREAMS - redirects.default) | tee.default,
