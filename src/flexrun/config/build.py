@@ -67,13 +67,23 @@ def _std(text: str | None, flag: str) -> StdStreams:
     return StdStreams(default=value)
 
 
+MAX_COUNT = 1_000_000_000
+"""The largest count a flag takes (restarts, ranks, ports, spares): beyond it a number is
+a typo, and one past a float's range broke the readers of the events it was logged in."""
+
+
 def _int(value: object, flag: str, *, low: int = 0) -> int:
+    text = str(value).strip()
+    if len(text) > 20:
+        raise ConfigError(f"{flag} {text[:24]!r}...: expected an integer of at most 20 digits")
     try:
-        number = int(str(value).strip())
+        number = int(text)
     except ValueError:
         raise ConfigError(f"{flag} {value!r}: expected an integer") from None
     if number < low:
         raise ConfigError(f"{flag} {number}: must be {low} or more")
+    if number > MAX_COUNT:
+        raise ConfigError(f"{flag} {number}: must be at most {MAX_COUNT}")
     return number
 
 
