@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fuzz_support import FEW, hostile_bytes, mangled
+from fuzz_support import FEW, hostile_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
