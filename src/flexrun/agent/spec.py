@@ -24,6 +24,12 @@ _AGENT_ONLY = ("TORCH_CPP_LOG_LEVEL",)
 _NEVER = (SECRET_ENV, ETCD_PASSWORD_ENV)
 
 
+def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less the variables whose value is a secret (for a warm spare, which
+    keeps the environment it was started with in ``/proc/<pid>/environ``)."""
+    return {k: v for k, v in environ.items() if k not in _NEVER}
+
+
 def worker_envs(
     *,
     base: Mapping[str, str],
@@ -51,8 +57,7 @@ def worker_envs(
         env = {
             k: v
             for k, v in base.items()
-            if k not in _NEVER
-            and (k not in _AGENT_ONLY or k in base.get("FLEXRUN_KEEP_ENV", ""))
+            if k not in _NEVER and (k not in _AGENT_ONLY or k in base.get("FLEXRUN_KEEP_ENV", ""))
         }
         rank = base_rank + local_rank
         env.update(
