@@ -109,15 +109,17 @@ def _cmd_spares(ns: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from flexrun.config.parsing import parse_duration
     from flexrun.spares.client import query_status
     from flexrun.spares.daemon import SparesDaemon
 
     root = Path(ns.dir).absolute()
+    refill_delay_s = parse_duration(ns.refill_delay, "--refill-delay")
     if ns.status:
         print(json.dumps(query_status(root)))
         return 0
     daemon = SparesDaemon(
-        root, ns.count, environ=ns.environ, refill_delay_s=ns.refill_delay, agents=ns.agents
+        root, ns.count, environ=ns.environ, refill_delay_s=refill_delay_s, agents=ns.agents
     )
     print(
         f"flexrun spares: keeping {ns.count} warm (and {ns.agents} agents) in {root} "

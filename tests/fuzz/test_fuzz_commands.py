@@ -192,6 +192,8 @@ BAD: dict[str, list[str]] = {
     "store --port huge": ["store", "--port", str(HUGE)],
     "store --host bad": ["store", "--host", "999.1.1.1", "--port", "0"],
     "spares --dir FILE": ["spares", "--dir", "afile", "--status"],
+    "spares --refill-delay 1e300": ["spares", "--dir", "sp", "--refill-delay", "1e300"],
+    "spares --count huge": ["spares", "--dir", "sp", "--count", str(HUGE)],
     # status, doctor
     "status --observe 1e300": [
         "status",
@@ -237,6 +239,33 @@ BAD: dict[str, list[str]] = {
         "j",
         "--inject-delay",
         "nan",
+    ],
+    "doctor --node-id a/b": [
+        "doctor",
+        "--rdzv-endpoint",
+        "127.0.0.1:1",
+        "--rdzv-id",
+        "j",
+        "--node-id",
+        "a/b",
+    ],
+    "doctor --session newline": [
+        "doctor",
+        "--rdzv-endpoint",
+        "127.0.0.1:1",
+        "--rdzv-id",
+        "j",
+        "--session",
+        "a\nb",
+    ],
+    "doctor --size-mb 1e300": [
+        "doctor",
+        "--rdzv-endpoint",
+        "127.0.0.1:1",
+        "--rdzv-id",
+        "j",
+        "--size-mb",
+        "1e300",
     ],
     # report, pipeline, k8s, chaos
     "report no such dir": ["report", "no-such-run"],
