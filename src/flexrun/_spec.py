@@ -24,6 +24,9 @@ from typing import Any, overload
 
 from flexrun.errors import SpecError
 
+_MAX_SECONDS = 365 * 86400.0
+"""The longest duration a spec may give (one year; as ``config.parsing.MAX_DURATION_S``)."""
+
 _SCALAR = (str, int, float)
 
 
@@ -135,8 +138,11 @@ class SpecReader:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise fail(self.at(key), f"must be a number of seconds (got {value!r})")
-        if not math.isfinite(value):
+        # (an int compares with a float exactly; math.isfinite(int) overflows on a huge one)
+        if isinstance(value, float) and not math.isfinite(value):
             raise fail(self.at(key), f"must be a finite number of seconds (got {value!r})")
+        if abs(value) > _MAX_SECONDS:
+            raise fail(self.at(key), f"must be at most {_MAX_SECONDS:.0f} seconds (one year)")
         return float(value)
 
     # -- collections --------------------------------------------------------------------

@@ -43,7 +43,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 def _add_store(sub: argparse._SubParsersAction, env: Mapping[str, str]) -> None:
     p = sub.add_parser("store", help="run the embedded tcp rendezvous store as its own process")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this host only; give the address "
+        "other nodes reach, or 0.0.0.0, for a multi-node job)",
+    )
     p.add_argument("--port", type=int, default=29400, help="port to listen on")
     p.set_defaults(func=_cmd_store)
 
@@ -104,15 +109,17 @@ def _cmd_spares(ns: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from flexrun.config.parsing import parse_duration
     from flexrun.spares.client import query_status
     from flexrun.spares.daemon import SparesDaemon
 
     root = Path(ns.dir).absolute()
+    refill_delay_s = parse_duration(ns.refill_delay, "--refill-delay")
     if ns.status:
         print(json.dumps(query_status(root)))
         return 0
     daemon = SparesDaemon(
-        root, ns.count, environ=ns.environ, refill_delay_s=ns.refill_delay, agents=ns.agents
+        root, ns.count, environ=ns.environ, refill_delay_s=refill_delay_s, agents=ns.agents
     )
     print(
         f"flexrun spares: keeping {ns.count} warm (and {ns.agents} agents) in {root} "

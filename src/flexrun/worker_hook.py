@@ -104,7 +104,7 @@ def install(environ: dict[str, str] | None = None) -> bool:
     if _state.stack_fh is None:
         return False  # no safe way to ask for stacks: do not advertise the hook
     try:
-        _state.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        _state.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     except OSError:
         return False
     _write(force=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support import Procs
+from support import Procs, wait_for
 
 SCRIPT = """
 import json, sys, psutil
@@ -27,3 +27,18 @@ def test_a_standalone_agents_store_listens_on_loopback_only(procs: Procs) -> Non
     got = json.loads(out.read_text())
     assert got["agents"] >= 1, got
     assert got["addrs"] and set(got["addrs"]) <= {"127.0.0.1", "::1"}, got
+
+
+@pytest.mark.timeout(120)
+def test_flexrun_store_listens_on_loopback_unless_given_a_host(procs: Procs) -> None:
+    import psutil
+
+    p = procs.start(["store", "--port", "0"], name="store")
+    wait_for(lambda: "listening" in (procs.tmp / "store.out").read_text(), 60, "the store")
+    assert "listening on 127.0.0.1:" in (procs.tmp / "store.out").read_text()
+    addrs = {
+        c.laddr.ip
+        for c in psutil.Process(p.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert addrs and addrs <= {"127.0.0.1"}, addrs

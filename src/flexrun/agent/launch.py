@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
@@ -131,9 +132,27 @@ def build_agent(
     return Agent(config, rdzv, runner, events=events, masters=masters)
 
 
+def make_run_dir(path: Path) -> None:
+    """Create the run directory readable by its owner only (worker logs, events and the
+    job's secret file live there); an existing one keeps its mode.
+
+    Raises:
+        ConfigError: it cannot be made (a parent that refuses, a full disk ...).
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {path}: cannot create it ({exc.strerror or exc})") from None
+
+
 def launch(config: RunConfig) -> int:
-    """Run this node's agent to completion and return the process exit code."""
-    config.run_dir.mkdir(parents=True, exist_ok=True)
+    """Run this node's agent to completion and return the process exit code.
+
+    Raises:
+        ConfigError: the run directory cannot be made.
+    """
+    make_run_dir(config.run_dir)
     events = EventLog(
         config.run_dir,
         run_id=config.run_id,

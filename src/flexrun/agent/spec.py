@@ -12,11 +12,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from flexrun.config import RunConfig
+from flexrun.config import ETCD_PASSWORD_ENV, SECRET_ENV, RunConfig
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 
 # Variables the agent sets for itself that must not leak into workers unless the user set them.
 _AGENT_ONLY = ("TORCH_CPP_LOG_LEVEL",)
+# Secret values the agent reads from its environment: never a worker's (its environment
+# is readable in /proc/<pid>/environ and lands in crash reports). A live worker that
+# signs gets the job secret as a file (FLEXRUN_JOB_SECRET_FILE, agent/live.py); a
+# restart-mode worker reads no flexrun record and needs neither.
+_NEVER = (SECRET_ENV, ETCD_PASSWORD_ENV)
+
+
+def without_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less the variables whose value is a secret (for a warm spare, which
+    keeps the environment it was started with in ``/proc/<pid>/environ``)."""
+    return {k: v for k, v in environ.items() if k not in _NEVER}
 
 
 def worker_envs(
@@ -46,7 +57,7 @@ def worker_envs(
         env = {
             k: v
             for k, v in base.items()
-            if k not in _AGENT_ONLY or k in base.get("FLEXRUN_KEEP_ENV", "")
+            if k not in _NEVER and (k not in _AGENT_ONLY or k in base.get("FLEXRUN_KEEP_ENV", ""))
         }
         rank = base_rank + local_rank
         env.update(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from flexrun.agent.spec import without_secrets
 from flexrun.config import RunConfig
 from flexrun.spares.pool import WarmPool
 
@@ -36,7 +37,7 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
     log_root = config.log_dir or (config.run_dir / "logs")
     return WarmPool(
         config.warm_spares,
-        config.environ,
+        without_secrets(config.environ),
         log_root / "spares",
         node=config.spares_dir,
         # (A restart needs a spare per local worker: beyond that, refill in batches.)
@@ -53,7 +54,7 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     so their Python and torch import overlaps the agent's own start-up."""
     if config.mode != "live" or config.no_python or not spares_fit(config):
         return None
-    env = dict(config.environ)
+    env = without_secrets(config.environ)
     if config.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
     # As LiveSupervisor sets for its workers, but it must be there before the spare imports

@@ -24,6 +24,7 @@ from flexrun.config.backends import ALIASES, BACKENDS, backend_named
 from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
+    check_name,
     parse_duration,
     parse_kv,
     parse_nnodes,
@@ -65,13 +66,23 @@ def _std(text: str | None, flag: str) -> StdStreams:
     return StdStreams(default=value)
 
 
+MAX_COUNT = 1_000_000_000
+"""The largest count a flag takes (restarts, ranks, ports, spares): beyond it a number is
+a typo, and one past a float's range broke the readers of the events it was logged in."""
+
+
 def _int(value: object, flag: str, *, low: int = 0) -> int:
+    text = str(value).strip()
+    if len(text) > 20:
+        raise ConfigError(f"{flag} {text[:24]!r}...: expected an integer of at most 20 digits")
     try:
-        number = int(str(value).strip())
+        number = int(text)
     except ValueError:
         raise ConfigError(f"{flag} {value!r}: expected an integer") from None
     if number < low:
         raise ConfigError(f"{flag} {number}: must be {low} or more")
+    if number > MAX_COUNT:
+        raise ConfigError(f"{flag} {number}: must be at most {MAX_COUNT}")
     return number
 
 
@@ -153,7 +164,12 @@ def _run_id(a: Mapping[str, Any], shape: Shape) -> str:
     run_id = raw or "none"
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
         raise ConfigError(f"--rdzv-id {run_id!r}: use letters, digits, '.', '_' or '-'")
-    return run_id
+    return check_name(run_id, "--rdzv-id")
+
+
+def _node_id(a: Mapping[str, Any]) -> str:
+    given = a.get("node_id")
+    return default_node_id() if given is None else check_name(str(given), "--node-id")
 
 
 def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
@@ -250,10 +266,10 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         no_python=no_python,
         nproc_per_node=nproc,
         run_id=run_id,
-        node_id=a.get("node_id") or default_node_id(),
+        node_id=_node_id(a),
         local_addr=advertised.addr,
         socket_ifname=advertised.ifname,
-        role=a["role"],
+        role=check_name(str(a["role"]), "--role"),
         run_dir=run_dir.absolute(),
         log_dir=log_dir,
         console_streams=(STREAMS - redirects.default) | tee.default,

@@ -68,6 +68,13 @@ def store_credentials(
         ConfigError: a value given on the command line, an unreadable or short secret.
     """
     rest = dict(conf)
+    for key in rest:
+        folded = key.strip().lower().replace("-", "_")
+        if folded != key and folded in ("secret", "password", "secret_file", "password_file"):
+            raise ConfigError(
+                f"--rdzv-conf {key}=...: keys are lower case; did you mean {folded}? "
+                "(a secret under an unknown key would sit on the command line, unused)"
+            )
     for name, instead in (("secret", "secret_file=PATH"), ("password", "password_file=PATH")):
         if name in rest:
             raise ConfigError(
@@ -89,12 +96,22 @@ def store_credentials(
         )
     password: str | None = None
     if "password_file" in rest:
-        password = read_secret_file(rest.pop("password_file"), "etcd password").decode()
+        password = _text_password(rest.pop("password_file"))
     elif environ.get(ETCD_PASSWORD_ENV_FILE):
-        password = read_secret_file(environ[ETCD_PASSWORD_ENV_FILE], "etcd password").decode()
+        password = _text_password(environ[ETCD_PASSWORD_ENV_FILE])
     elif environ.get(ETCD_PASSWORD_ENV):
         password = environ[ETCD_PASSWORD_ENV]
     return rest, secret, password
+
+
+def _text_password(path: str) -> str:
+    raw = read_secret_file(path, "etcd password")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"etcd password file {path}: not UTF-8 text (byte {exc.start}); etcd passwords are text"
+        ) from None
 
 
 def generated_secret() -> bytes:

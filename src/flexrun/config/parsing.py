@@ -140,21 +140,50 @@ def parse_kv(text: str, what: str = "--rdzv-conf") -> dict[str, str]:
     return out
 
 
-def parse_duration(value: object, flag: str, *, positive: bool = False) -> float:
-    """A number of seconds: finite and not negative (``positive``: above 0).
+def check_name(value: str, flag: str) -> str:
+    """An id or name that becomes part of a path, a store key or a log line: not empty,
+    at most 200 characters, no path separator, no control character, not ``.`` or ``..``.
 
     Raises:
-        ConfigError: not a number, NaN, infinite, negative (or 0 where ``positive``).
+        ConfigError: it is not such a name.
+    """
+    if not value:
+        raise ConfigError(f"{flag}: must not be empty")
+    if len(value) > 200:
+        raise ConfigError(f"{flag} {value[:40]!r}...: at most 200 characters")
+    if value in (".", "..") or "/" in value or "\\" in value:
+        raise ConfigError(f"{flag} {value!r}: no path separators, and not '.' or '..'")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(f"{flag} {value!r}: no control characters (newline, tab ...)")
+    return value
+
+
+MAX_DURATION_S = 365 * 86400.0
+"""The longest duration a user may give (one year): beyond it a sleep, a thread's wait or
+a deadline overflows (``1e300`` killed the threads that waited on it)."""
+
+
+def parse_duration(value: object, flag: str, *, positive: bool = False) -> float:
+    """A number of seconds: finite, not negative (``positive``: above 0), at most
+    :data:`MAX_DURATION_S`.
+
+    Raises:
+        ConfigError: not a number, NaN, infinite, negative (or 0 where ``positive``), or
+            longer than a year.
     """
     try:
         seconds = float(str(value).strip())
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"{flag} {value!r}: expected a number of seconds") from None
     if not math.isfinite(seconds):
         raise ConfigError(f"{flag} {value!r}: must be a finite number of seconds")
     if seconds < 0 or (positive and seconds == 0):
         raise ConfigError(
             f"{flag} {value!r}: must be {'above 0' if positive else '0 or more'} seconds"
+        )
+    if seconds > MAX_DURATION_S:
+        raise ConfigError(
+            f"{flag} {value!r}: must be at most {MAX_DURATION_S:.0f} seconds (one year)"
         )
     return seconds
 

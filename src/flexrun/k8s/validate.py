@@ -22,6 +22,7 @@ ship with ``kubernetes-validate``. It does not render anything.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,25 @@ class _TrainerSet:
         return out
 
 
+def _check_version(version: str, bundled: list[str]) -> None:
+    """``--kubernetes-version`` names schemas that are bundled (X.Y or X.Y.Z).
+
+    Raises:
+        SpecError: it does not.
+    """
+    minors = sorted(
+        {".".join(v.split(".")[:2]) for v in bundled}, key=lambda v: tuple(map(int, v.split(".")))
+    )
+    if (
+        not re.fullmatch(r"\d{1,3}\.\d{1,3}(\.\d{1,3})?", version)
+        or ".".join(version.split(".")[:2]) not in minors
+    ):
+        raise SpecError(
+            f"--kubernetes-version {version!r}: expected X.Y of a bundled schema "
+            f"({minors[0]} to {minors[-1]})"
+        )
+
+
 def validate_documents(
     docs: Sequence[object],
     *,
@@ -106,6 +126,7 @@ def validate_documents(
         version = ""
     else:
         version = kubernetes_version or kv.utils.latest_version()
+        _check_version(version, kv.utils.all_versions())
         notes.append(
             f"core objects checked against Kubernetes {version} schemas (kubernetes-validate)"
         )

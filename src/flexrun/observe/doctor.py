@@ -301,8 +301,11 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     if not args.rdzv_id:
         raise ConfigError("--rdzv-id is required: the job id (the check uses its store)")
-    from flexrun.config.parsing import parse_duration
+    from flexrun.config.parsing import check_name, parse_duration
 
+    check_name(str(args.session), "--session")
+    if args.node_id is not None:
+        check_name(str(args.node_id), "--node-id")
     if not 1 < args.threshold < float("inf"):  # (NaN too)
         raise ConfigError("--threshold must be a finite number above 1")
     args.join_timeout = parse_duration(args.join_timeout, "--join-timeout", positive=True)

@@ -27,17 +27,21 @@ _GPU_INTS = ("index", "mem_used_bytes")
 _GPU_FLOATS = ("util_ratio", "temp_c")
 
 
+MAX_ABS_INT = 2**63
+"""An integer field beyond a signed 64-bit counter is not a count (and a float of it may
+overflow): the field is dropped."""
+
+
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) < MAX_ABS_INT
 
 
 def _is_finite(v: object) -> bool:
-    return (
-        isinstance(v, int | float)
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-        and abs(v) <= 1e300
-    )
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    # An int compares with a float exactly; math.isfinite(int) would convert it and
+    # raise OverflowError on one beyond a float's range.
+    return abs(v) <= 1e300 and (isinstance(v, int) or math.isfinite(v))
 
 
 def _typed(d: dict[str, Any], ints: tuple[str, ...], floats: tuple[str, ...]) -> bool:
@@ -109,4 +113,4 @@ def clean_event(record: object) -> dict[str, Any] | None:
     return out
 
 
-__all__ = ["MAX_ABS_TS", "clean_event"]
+__all__ = ["MAX_ABS_INT", "MAX_ABS_TS", "clean_event"]

@@ -24,10 +24,15 @@ Cluster semantics, chosen to match the elastic job:
   restarts belong to ``maxRestarts`` and the operator. Objects the workflow creates carry
   an owner reference to it, so deleting the workflow deletes them; a mutex named after
   the pipeline keeps two runs from fighting over the same job name and volume.
+- A command stage's environment variable that holds a secret (the job secret, the etcd
+  password, an object store credential, any ``*SECRET*``/``*PASSWORD*``/``*TOKEN*``
+  name) is never written into the Workflow: it becomes a ``secretKeyRef`` to the Secret
+  ``<pipeline>-env`` (key: the variable's name), which the user creates.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +56,59 @@ SUCCESS_CONDITION = "status.replicaStatuses.Worker.succeeded > 0"
 FAILURE_CONDITION = "status.completionTime,!status.replicaStatuses.Worker.succeeded"
 
 Manifest = dict[str, Any]
+log = logging.getLogger(__name__)
+
+#: Variables whose value is a secret, whatever their name says.
+SECRET_ENV = frozenset(
+    {
+        "FLEXRUN_JOB_SECRET",
+        "FLEXRUN_ETCD_PASSWORD",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AZURE_STORAGE_KEY",
+        "AZURE_STORAGE_SAS_TOKEN",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_CLIENT_SECRET",
+        "GOOGLE_APPLICATION_CREDENTIALS_JSON",
+        "HF_TOKEN",
+        "WANDB_API_KEY",
+    }
+)
+_SECRET_WORDS = ("SECRET", "PASSWORD", "PASSWD", "TOKEN", "API_KEY", "PRIVATE_KEY", "CREDENTIAL")
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether variable ``name`` holds a secret's value (``*_FILE``: a path, not a value)."""
+    upper = name.upper()
+    if upper.endswith("_FILE"):
+        return False
+    return upper in SECRET_ENV or any(w in upper for w in _SECRET_WORDS)
+
+
+def env_secret_name(pipeline: Pipeline) -> str:
+    """The Secret that holds the values of the stages' secret variables."""
+    return f"{pipeline.name}-env"
+
+
+def _env_entries(pipeline: Pipeline, stage: Stage, env: Mapping[str, str]) -> list[Manifest]:
+    out: list[Manifest] = []
+    for k, v in env.items():
+        if is_secret_env(k):
+            secret = env_secret_name(pipeline)
+            log.warning(
+                "stages.%s.env.%s: rendered as a reference to key %s of Secret %s, not its "
+                "value; create it: kubectl create secret generic %s --from-literal=%s=...",
+                stage.name,
+                k,
+                k,
+                secret,
+                secret,
+                k,
+            )
+            out.append({"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k}}})
+        else:
+            out.append({"name": k, "value": v})
+    return out
 
 
 def _values(pipeline: Pipeline) -> dict[str, str]:
@@ -94,7 +152,7 @@ def _container_template(pipeline: Pipeline, stage: Stage) -> Manifest:
     }
     env = _env(pipeline, stage)
     if env:
-        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        container["env"] = _env_entries(pipeline, stage, env)
     container["volumeMounts"] = [{"name": ARTIFACTS_VOLUME, "mountPath": pipeline.argo.mount_path}]
     template: Manifest = {
         "name": stage.name,

@@ -169,6 +169,20 @@ class StateFile:
             raise ConfigError(f"{self.path}: cannot write state ({exc.strerror})") from exc
 
 
+def _seconds(value: object) -> float | None:
+    """A recorded duration, or None when it is not a plausible one (a hand-edited file
+    may hold ``1e999`` read as infinity, or an integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not 0 <= value <= 1e12:  # (exact for ints of any size; False for NaN)
+        return None
+    return float(value)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
 def summarize(state: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Rows for ``flexrun pipeline status``: stage, status, duration, attempts, message."""
     stages = state.get("stages", {})
@@ -190,8 +204,8 @@ def summarize(state: Mapping[str, Any]) -> list[dict[str, Any]]:
             {
                 "stage": str(name),
                 "status": status,
-                "duration_s": rec.get("duration_s"),
-                "attempts": attempts if isinstance(attempts, int) else 0,
+                "duration_s": _seconds(rec.get("duration_s")),
+                "attempts": attempts if _count(attempts) else 0,
                 "message": str(rec.get("message") or ""),
             }
         )

@@ -28,10 +28,13 @@ def versions(root: Path) -> list[str]:
 
 
 def current(root: Path) -> str | None:
-    """The version ``current`` names, or None before the first publish."""
+    """The version ``current`` names, or None before the first publish (or when it names
+    none: binary, not UTF-8, or not ``v<N>``; the next publish or rollback rewrites it)."""
     try:
-        name = (root / CURRENT).read_text(encoding="utf-8").strip()
+        name = (root / CURRENT).read_bytes().decode("utf-8").strip()
     except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
         return None
     except OSError as exc:
         raise ConfigError(f"{root / CURRENT}: cannot read ({exc.strerror})") from exc
@@ -109,7 +112,8 @@ def rollback(root: Path, to: str | None = None) -> tuple[str | None, str]:
     cur = current(root)
     if to is None:
         if cur is None or cur not in have:
-            raise ConfigError(f"{root}: no current version; name one with --to")
+            what = "does not name a version" if (root / CURRENT).exists() else "is missing"
+            raise ConfigError(f"{root / CURRENT} {what}; name the version to serve with --to")
         idx = have.index(cur)
         if idx == 0:
             raise ConfigError(f"{root}: {cur} is the oldest version; nothing to roll back to")

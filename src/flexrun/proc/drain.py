@@ -164,7 +164,7 @@ class FilteredLog:
 
 def _open_append(path: str | os.PathLike[str]) -> int:
     """A log file opened for appending (created 0644 if missing)."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -179,7 +179,7 @@ def spawn_worker(
     # A failing log disk must not stop the worker: the copier counts (and says) what it
     # cannot write.
     with contextlib.suppress(OSError):
-        wdir.mkdir(parents=True, exist_ok=True)
+        wdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     error_file = worker_error_file(wdir, console)
     offsets = {
         s: file_size(console.log_path(s, wdir) if console else wdir / f"{s}.log")
@@ -224,8 +224,8 @@ def _spawn_to_files(
     local_rank: int,
     stdin: int | None,
 ) -> Worker:
-    out = (wdir / "stdout.log").open("ab")
-    err = (wdir / "stderr.log").open("ab")
+    out = _private_log(wdir / "stdout.log")
+    err = _private_log(wdir / "stderr.log")
     full = dict(env)
     full["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     try:
@@ -235,6 +235,12 @@ def _spawn_to_files(
         err.close()
         raise
     return Worker(local_rank, rank, proc, wdir, error_file, files=[out, err], log_offsets=offsets)
+
+
+def _private_log(path: Path) -> IO[bytes]:
+    """``path`` opened to append, created readable by its owner only (a log may hold
+    what a worker prints about its data)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
 
 
 def kill_session(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -84,7 +84,7 @@ def _become_worker(task: Assignment, prepare: Prepare | None) -> int:
             # flexrun.proc.drain.output_paths) or its log file, as if started fresh. Never
             # a controlling terminal (this process leads its session).
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOCTTY
-            target = os.open(stream, flags, 0o644)
+            target = os.open(stream, flags, 0o600)
             os.dup2(target, fd)
             os.close(target)
     _take_context(task.env, task.cwd, task.agent_pid)

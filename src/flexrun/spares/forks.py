@@ -132,7 +132,8 @@ class Zygote:
         log_dir = self.root / name
         log_dir.mkdir(parents=True, exist_ok=True)
         for fd, stream in ((1, "stdout"), (2, "stderr")):
-            target = os.open(log_dir / f"{stream}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            target = os.open(log_dir / f"{stream}.log", flags, 0o600)
             os.dup2(target, fd)
             os.close(target)
         os.environ[READY_ENV] = str(self.root / f"{name}.ready")

@@ -27,9 +27,30 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all of them)")
 
 
+def _check_numbers(ns: argparse.Namespace) -> None:
+    from flexrun.config.parsing import parse_duration
+
+    for flag in ("duration", "interval", "step_sleep", "hang_timeout", "timeout"):
+        if hasattr(ns, flag):
+            name = "--" + flag.replace("_", "-")
+            setattr(ns, flag, parse_duration(getattr(ns, flag), name, positive=flag == "interval"))
+    for flag, low in (
+        ("nodes", 1),
+        ("max_nodes", 1),
+        ("nproc", 1),
+        ("steps", 1),
+        ("ckpt_every", 1),
+    ):
+        value = getattr(ns, flag, None)
+        if value is not None and not low <= value <= 1_000_000:
+            name = "--" + flag.replace("_", "-")
+            raise ConfigError(f"{name} {value}: must be between {low} and 1000000")
+
+
 def _schedule(ns: argparse.Namespace) -> list[Any]:
     from flexrun.testing.chaos import KINDS, make_schedule
 
+    _check_numbers(ns)
     kinds = tuple(k for k in ns.kinds.split(",") if k) or KINDS
     return make_schedule(ns.seed, duration_s=ns.duration, interval_s=ns.interval, kinds=kinds)
 
@@ -66,10 +87,14 @@ def _cmd_schedule(ns: argparse.Namespace) -> int:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from flexrun.testing.chaos import JobSpec, run_chaos
 
+    _check_numbers(ns)
     if ns.nodes < 1 or ns.max_nodes < ns.nodes:
         raise ConfigError("--nodes must be >= 1 and <= --max-nodes")
+    root = Path(ns.root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--root {ns.root}: exists and is not a directory")
     spec = JobSpec(
-        root=Path(ns.root),
+        root=root,
         launcher=ns.launcher,
         nodes=ns.nodes,
         max_nodes=ns.max_nodes,

@@ -10,8 +10,9 @@ object store the manifest written last is the commit point). Loading verifies on
 and refuses code execution: DCP's own reader unpickles ``.metadata`` with plain
 ``pickle`` and non-tensor items with ``weights_only=False``; here metadata goes through
 an exact allow-list of the (module, name) pairs DCP's metadata consists of
-(:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Saves are
-synchronous (collective).
+(:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Every file the
+metadata names must be one plain name the manifest lists, so nothing outside the
+checkpoint is ever opened. Saves are synchronous (collective).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import io
 import os
 import pickle
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Collection, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,7 +45,14 @@ from flexrun.train.checkpoint import (
 from flexrun.train.commit import RenameCommit
 from flexrun.train.commit_object import ObjectCommit, open_commit
 from flexrun.train.context import TrainContext, current, single_process_context
-from flexrun.train.layout import Staged, VerifiedCache, prune, step_dir_name, verify
+from flexrun.train.layout import (
+    Staged,
+    VerifiedCache,
+    prune,
+    safe_name,
+    step_dir_name,
+    verify,
+)
 from flexrun.train.options import CheckpointOptions
 from flexrun.train.progress import install_stack_dump
 from flexrun.train.serialize import load_weights_only
@@ -86,11 +94,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_safe_metadata(blob: bytes) -> Metadata:
-    """Parse DCP metadata without running code.
+def read_safe_metadata(blob: bytes, *, files: Collection[str] | None = None) -> Metadata:
+    """Parse DCP metadata without running code, and check every file it names.
+
+    Each storage entry's ``relative_path`` must be one plain file name (so the reader
+    opens it below the checkpoint's data directory, never an absolute or ``../`` path)
+    and, when ``files`` (the names the manifest verified) is given, one of them.
 
     Raises:
-        CheckpointError: it names a global outside the allow-list or is not metadata.
+        CheckpointError: it names a global outside the allow-list, is not metadata, or
+            a storage entry names a path outside the checkpoint or the manifest.
     """
     try:
         meta = _MetadataUnpickler(io.BytesIO(blob)).load()
@@ -98,7 +111,26 @@ def read_safe_metadata(blob: bytes) -> Metadata:
         raise CheckpointError(f"DCP metadata refused: {exc}") from exc
     if not isinstance(meta, Metadata):
         raise CheckpointError(f"DCP metadata is a {type(meta).__name__}, not Metadata")
+    _check_storage_paths(meta, files)
     return meta
+
+
+def _check_storage_paths(meta: Metadata, files: Collection[str] | None) -> None:
+    storage = meta.storage_data
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"DCP metadata storage_data is a {type(storage).__name__}")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str):
+            raise CheckpointError(f"DCP metadata names a file {rel!r} that is not a string")
+        try:
+            safe_name(rel, "DCP metadata file")
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (a path outside the checkpoint)") from None
+        if files is not None and rel not in files:
+            raise CheckpointError(f"DCP metadata names {rel!r}, a file the manifest does not list")
 
 
 class _SafeMetadata:
@@ -110,7 +142,7 @@ class _SafeMetadata:
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self.fs.concat_path(self.path, _METADATA), "rb") as fh:
-            meta = read_safe_metadata(fh.read())
+            meta = read_safe_metadata(fh.read())  # every rank checks the paths it will open
         storage_meta = meta.storage_meta or StorageMeta()
         storage_meta.load_id = self.load_id
         meta.storage_meta = storage_meta
@@ -395,7 +427,7 @@ class ShardedCheckpointer(RankZero):
                     manifest, blobs = verify(self._proto, s, keep=lambda n: n == _METADATA)
                     if manifest.meta.get("kind") != "dcp" or _METADATA not in blobs:
                         raise CheckpointError(f"step_{s} is not a sharded (DCP) checkpoint")
-                    read_safe_metadata(blobs[_METADATA])
+                    read_safe_metadata(blobs[_METADATA], files=manifest.files)
                     chosen = s
                     info = (manifest.total_bytes, manifest.world_size, manifest.data_dir)
                     break

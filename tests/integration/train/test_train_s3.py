@@ -321,3 +321,62 @@ def test_sharded_checkpoint_on_s3_commits_manifest_last_and_loads(s3: S3, tmp_pa
     loaded = c.load()
     assert loaded is not None and loaded.step == 3 and loaded.extra == {"k": 1}
     assert torch.equal(m.weight, want)
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_sharded_metadata_naming_an_object_outside_the_checkpoint_is_refused_and_never_read(
+    s3: S3, tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    import s3fs
+
+    def linear(fill: float) -> torch.nn.Linear:
+        m = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            m.weight.fill_(fill)
+        return m
+
+    other = ShardedCheckpointer(s3.url("outside"), storage_options=s3.options, ctx=_ctx(tmp_path))
+    other.register("model", linear(7.0))
+    other.save(5)
+    outside = [k for k in s3.keys("outside/step_5/") if k.endswith(".distcp")][0]
+    m = linear(1.0)
+    c = ShardedCheckpointer(s3.url("dcp"), storage_options=s3.options, ctx=_ctx(tmp_path))
+    c.register("model", m)
+    c.save(1)
+    with torch.no_grad():
+        m.weight.fill_(2.0)
+    c.save(2)
+    manifest = json.loads(s3.read("dcp/step_2/manifest.json"))
+    meta_key = f"dcp/step_2/{manifest['data_dir']}/.metadata"
+    meta = pickle.loads(s3.read(meta_key))  # the test's own checkpoint
+    target = f"/{s3.bucket}/{outside}" if how == "absolute" else f"../../../{outside}"
+    for info in meta.storage_data.values():
+        info.relative_path = target
+    evil = pickle.dumps(meta)
+    s3.write(meta_key, evil)
+    import hashlib
+
+    manifest["files"][".metadata"] = {"size": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}
+    s3.write("dcp/step_2/manifest.json", json.dumps(manifest).encode())
+    opened: list[str] = []
+    real_open = s3fs.S3FileSystem._open
+
+    def spy(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        opened.append(str(path))
+        return real_open(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_open", spy)
+    with torch.no_grad():
+        m.weight.zero_()
+    loaded = c.load()
+    assert loaded is not None and loaded.step == 1 and loaded.skipped == (2,)
+    assert bool((m.weight == 1.0).all())
+    assert not [p for p in opened if "outside" in p], opened
+    falls = [
+        e
+        for e in read_events(tmp_path / "run" / "events.jsonl")
+        if e["event"] == "checkpoint_fallback"
+    ]
+    assert [e["step"] for e in falls] == [2] and "outside the checkpoint" in falls[0]["reason"]

@@ -90,3 +90,24 @@ def test_status_skips_a_node_record_that_does_not_decode_and_escapes_markup() ->
     console.print(render_table(st))
     text = console.export_text()
     assert "[/bold][red]x" in text and "2 node record(s) did not decode" in text
+
+
+HUGE = 10**400
+
+
+def test_huge_integers_are_invalid_fields_never_an_overflow(tmp_path: Path) -> None:
+    assert clean_event({"ts": HUGE, "event": "x"}) is None
+    assert clean_event({"ts": -HUGE, "event": "x"}) is None
+    e = clean_event({"ts": 2, "event": "progress", "steps_per_s": HUGE, "step": HUGE, "rank": 0})
+    assert e is not None and "steps_per_s" not in e and "step" not in e and e["rank"] == 0
+    assert clean_event({"ts": 1.0, "event": "resources", "mem_used_bytes": HUGE}) is None
+    assert clean_event({"ts": 1.0, "event": "resources", "gpus": [{"temp_c": HUGE}]}) is None
+    # the metrics follower (`flexrun run --metrics-port`) reads the same lines
+    got: list[dict] = []
+    f = EventFollower(tmp_path, got.append)
+    (tmp_path / "events.jsonl").write_text(
+        f'{{"ts": {HUGE}, "event": "x"}}\n'
+        f'{{"ts": 1.0, "event": "resources", "mem_used_bytes": {HUGE}}}\n'
+        f'{{"ts": 1.0, "event": "progress", "steps_per_s": {HUGE}}}\n'
+    )
+    assert f.poll() == 1 and f.skipped == 2 and "steps_per_s" not in got[0]

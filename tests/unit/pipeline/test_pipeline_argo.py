@@ -169,3 +169,39 @@ def test_retries_etcd_store_and_gpus_render_valid_objects() -> None:
         schema = json.loads(ARGO_SCHEMA.read_text())
         errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(wf))
         assert not errors, [e.message[:300] for e in errors]
+
+
+def test_secret_env_values_never_reach_the_workflow_only_secret_references() -> None:
+    secrets = {
+        "FLEXRUN_JOB_SECRET": "job-secret-value-0123456789abcdef0123",
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-value",
+        "FLEXRUN_ETCD_PASSWORD": "etcd-pw-value",
+        "MY_API_TOKEN": "token-value",
+    }
+    p = parse_pipeline(
+        {
+            "name": "x",
+            "argo": {"image": "i:1"},
+            "env": {"FLEXRUN_JOB_SECRET": secrets["FLEXRUN_JOB_SECRET"], "PLAIN": "ok"},
+            "stages": [
+                {
+                    "name": "a",
+                    "command": "echo hi",
+                    "env": {k: v for k, v in secrets.items() if k != "FLEXRUN_JOB_SECRET"},
+                }
+            ],
+        },
+        base_dir=Path("/tmp"),
+    )
+    text = to_yaml(render_workflow(p))
+    for value in secrets.values():
+        assert value not in text
+    wf = yaml.safe_load(text)
+    (tmpl,) = [t for t in wf["spec"]["templates"] if t["name"] == "a"]
+    env = {e["name"]: e for e in tmpl["container"]["env"]}
+    assert env["PLAIN"] == {"name": "PLAIN", "value": "ok"}
+    for name in secrets:
+        assert env[name] == {
+            "name": name,
+            "valueFrom": {"secretKeyRef": {"name": "x-env", "key": name}},
+        }

@@ -4,8 +4,11 @@ retention counts only checkpoints that verify."""
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import struct
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,10 +17,16 @@ import pytest
 import torch
 
 from flexrun.errors import CheckpointError
+from flexrun.events import EventLog, read_events
 from flexrun.train import Checkpointer
 from flexrun.train.commit import RenameCommit
 from flexrun.train.context import single_process_context
-from flexrun.train.sharded import METADATA_GLOBALS, ShardedCheckpointer, read_safe_metadata
+from flexrun.train.sharded import (
+    METADATA_GLOBALS,
+    ShardedCheckpointer,
+    _SafeReader,
+    read_safe_metadata,
+)
 
 
 def four_opcode_payload(
@@ -178,3 +187,118 @@ def test_the_only_good_checkpoint_is_never_removed(where: str) -> None:
     assert c.steps() == [1]
     c2, _ = _ck(where, round=1, keep_last=1)
     assert c2.steps() == [1] and c2.load() is not None
+
+
+def _aim_metadata_at(blob: bytes, target: str) -> bytes:
+    """The same DCP metadata, every storage entry naming ``target`` instead of its file."""
+    meta = pickle.loads(blob)  # the test's own checkpoint: plain pickle is fine here
+    for info in meta.storage_data.values():
+        info.relative_path = target
+    return pickle.dumps(meta)
+
+
+def _linear(fill: float) -> torch.nn.Linear:
+    m = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight.fill_(fill)
+        m.bias.fill_(fill)
+    return m
+
+
+_OPENED: list[str] = []
+_WATCHING: list[bool] = [False]
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and _WATCHING[0] and args and isinstance(args[0], (str, bytes, Path)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)  # (hooks cannot be removed; this one records only while watching)
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_dcp_metadata_naming_a_path_outside_the_checkpoint_is_refused_and_never_opened(
+    tmp_path: Path, how: str
+) -> None:
+    outside_root = tmp_path / "outside"
+    other = ShardedCheckpointer(outside_root, ctx=single_process_context())
+    other.register("model", _linear(7.0))
+    other.save(5)
+    outside = outside_root / "step_5" / "__0_0.distcp"
+    assert outside.is_file()
+    root = tmp_path / "ck"
+    log = EventLog(tmp_path / "run", run_id="r")
+    c = ShardedCheckpointer(root, ctx=single_process_context(), events=log)
+    m = _linear(1.0)
+    c.register("model", m)
+    c.save(1)
+    with torch.no_grad():
+        m.weight.fill_(2.0)
+    c.save(2)
+    step = root / "step_2"
+    target = str(outside) if how == "absolute" else "../../outside/step_5/__0_0.distcp"
+    evil = _aim_metadata_at((step / ".metadata").read_bytes(), target)
+    (step / ".metadata").write_bytes(evil)
+    _rehash(step, ".metadata", evil)  # the manifest verifies: only the path check stops it
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        read_safe_metadata(evil)
+    with torch.no_grad():
+        m.weight.zero_()
+    _OPENED.clear()
+    _WATCHING[0] = True
+    try:
+        loaded = c.load()
+    finally:
+        _WATCHING[0] = False
+    assert loaded is not None and loaded.step == 1 and loaded.skipped == (2,)
+    assert bool((m.weight == 1.0).all())  # the older checkpoint's weights, not the outside 7s
+    opened = [os.path.realpath(p) for p in _OPENED]
+    assert str(outside.resolve()) not in opened, opened
+    assert not any(p.startswith(str(outside_root.resolve())) for p in opened), opened
+    falls = [
+        e
+        for e in read_events(tmp_path / "run" / "events.jsonl")
+        if e["event"] == "checkpoint_fallback"
+    ]
+    assert [e["step"] for e in falls] == [2] and "outside the checkpoint" in falls[0]["reason"]
+
+
+def test_every_reader_checks_the_metadata_paths_itself(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    c = ShardedCheckpointer(root, ctx=single_process_context())
+    c.register("model", _linear(1.0))
+    c.save(1)
+    step = root / "step_1"
+    (step / ".metadata").write_bytes(
+        _aim_metadata_at((step / ".metadata").read_bytes(), "/etc/hostname")
+    )
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        _SafeReader(step).read_metadata()
+
+
+def test_dcp_metadata_naming_a_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    c = ShardedCheckpointer(root, ctx=single_process_context())
+    c.register("model", _linear(1.0))
+    c.save(1)
+    blob = (root / "step_1" / ".metadata").read_bytes()
+    files = json.loads((root / "step_1" / "manifest.json").read_text())["files"]
+    read_safe_metadata(blob, files=files)
+    with pytest.raises(CheckpointError, match="manifest does not list"):
+        read_safe_metadata(_aim_metadata_at(blob, "__9_0.distcp"), files=files)
+
+
+@pytest.mark.parametrize("name", ["../x.pt", "/etc/passwd", "a/b.pt", "..", ""])
+def test_a_manifest_naming_a_path_outside_its_step_is_refused(tmp_path: Path, name: str) -> None:
+    from flexrun.train.layout import Manifest
+
+    man = Manifest(step=1, round=0, world_size=1, created=0.0, files={}).to_json()
+    d = json.loads(man)
+    d["files"] = {name: {"size": 1, "sha256": "0" * 64}}
+    with pytest.raises(CheckpointError, match="plain file name"):
+        Manifest.from_json(json.dumps(d).encode())
+    d["files"] = {}
+    d["data_dir"] = name or "/"
+    with pytest.raises(CheckpointError, match="plain file name"):
+        Manifest.from_json(json.dumps(d).encode())
