@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, fresh, labels
+from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, fresh, labels, worker_selector
 from flexrun.k8s.spec import JobSpec
 from flexrun.k8s.spec_types import (
     ETCD_SECRET_DIR,
@@ -73,6 +73,9 @@ def resources(spec: JobSpec) -> dict[str, Any]:
         requests["memory"] = limits["memory"] = spec.resources.memory
     if spec.resources.gpu:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.resources.gpu
+    if spec.network.rdma_resource is not None:
+        rdma = spec.network.rdma_resource
+        requests[rdma] = limits[rdma] = spec.network.rdma_count
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
@@ -87,6 +90,8 @@ def worker_container(
     """The agent container; ``args`` None leaves them to the operator (a TrainJob's)."""
     env: list[dict[str, Any]] = [POD_IP_ENV]
     env += [{"name": k, "value": v} for k, v in spec.env]
+    own = {k for k, _ in spec.env}
+    env += [{"name": k, "value": v} for k, v in spec.network.nccl_env() if k not in own]
     env.append({"name": "FLEXRUN_JOB_SECRET_FILE", "value": JOB_SECRET_FILE})
     ckpt = spec.checkpoint
     if ckpt is not None:
@@ -172,13 +177,50 @@ def worker_pod_spec(
     pod["securityContext"] = {"fsGroup": POD_FS_GROUP, "fsGroupChangePolicy": "OnRootMismatch"}
     if spec.service_account is not None:
         pod["serviceAccountName"] = spec.service_account
+    sched = spec.scheduling
+    if sched.priority_class is not None:
+        pod["priorityClassName"] = sched.priority_class
+    if spec.network.host_network:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"  # Services still resolve (the store)
     pod["containers"] = [container]
-    if spec.spot.node_selector:
-        pod["nodeSelector"] = dict(spec.spot.node_selector)
-    if spec.spot.tolerations:
-        pod["tolerations"] = _tolerations(spec)
+    if selector := {**dict(spec.spot.node_selector), **dict(sched.node_selector)}:
+        pod["nodeSelector"] = selector
+    if tolerations := [*_tolerations(spec), *(fresh(dict(t)) for t in sched.tolerations)]:
+        pod["tolerations"] = tolerations
+    if affinity := _affinity(spec):
+        pod["affinity"] = affinity
+    if spread := _spread(spec):
+        pod["topologySpreadConstraints"] = spread
     pod["volumes"] = _volumes(spec)
     return pod
+
+
+def _affinity(spec: JobSpec) -> dict[str, Any]:
+    affinity: dict[str, Any] = fresh(dict(spec.scheduling.affinity or {}))
+    if spec.scheduling.one_pod_per_node:
+        anti = affinity.setdefault("podAntiAffinity", {})
+        anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            {
+                "labelSelector": {"matchLabels": worker_selector(spec)},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        )
+    return affinity
+
+
+def _spread(spec: JobSpec) -> list[dict[str, Any]]:
+    spread = [fresh(dict(c)) for c in spec.scheduling.topology_spread]
+    if spec.scheduling.spread_zones:
+        spread.append(
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": worker_selector(spec)},
+            }
+        )
+    return spread
 
 
 def worker_pod_metadata(spec: JobSpec) -> dict[str, Any]:
