@@ -27,6 +27,7 @@ from typing import Any
 
 from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, fresh, labels, worker_selector
 from flexrun.k8s.spec import JobSpec
+from flexrun.k8s.spec_placement import RUNS_VOLUME
 from flexrun.k8s.spec_types import (
     ETCD_SECRET_DIR,
     JOB_SECRET_DIR,
@@ -63,6 +64,20 @@ def entrypoint(spec: JobSpec) -> list[str]:
     return [*head, *spec.args]
 
 
+def run_dir_path(spec: JobSpec) -> str | None:
+    """Each pod's ``PET_RUN_DIR`` on the durable volume (``$(POD_NAME)`` expanded by
+    Kubernetes), or None when run directories stay in the pod."""
+    rd = spec.run_dir
+    if rd is None:
+        return None
+    if rd.existing_claim is not None:
+        base = rd.mount_path.rstrip("/")
+    else:
+        assert spec.checkpoint is not None  # (JobSpec checked it)
+        base = f"{spec.checkpoint.mount_path.rstrip('/')}/runs"
+    return f"{base}/{spec.name}/$(POD_NAME)"
+
+
 def resources(spec: JobSpec) -> dict[str, Any]:
     """Container resources: ``{requests, limits}``, empty parts dropped."""
     requests: dict[str, Any] = {}
@@ -91,6 +106,9 @@ def worker_container(
     env: list[dict[str, Any]] = [POD_IP_ENV]
     env += [{"name": k, "value": v} for k, v in spec.env]
     own = {k for k, _ in spec.env}
+    if (run_dir := run_dir_path(spec)) is not None:
+        env.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+        env.append({"name": "PET_RUN_DIR", "value": run_dir})  # after POD_NAME: it expands
     env += [{"name": k, "value": v} for k, v in spec.network.nccl_env() if k not in own]
     env.append({"name": "FLEXRUN_JOB_SECRET_FILE", "value": JOB_SECRET_FILE})
     ckpt = spec.checkpoint
@@ -115,6 +133,8 @@ def worker_container(
         mounts.append({"name": "checkpoints", "mountPath": ckpt.mount_path})
     if spec.shm_size is not None:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.run_dir is not None and spec.run_dir.existing_claim is not None:
+        mounts.append({"name": RUNS_VOLUME, "mountPath": spec.run_dir.mount_path})
     mounts.append({"name": "job-secret", "mountPath": JOB_SECRET_DIR, "readOnly": True})
     if spec.store.type == "etcd":
         mounts.append({"name": "etcd-tls", "mountPath": ETCD_SECRET_DIR, "readOnly": True})
@@ -147,6 +167,13 @@ def _volumes(spec: JobSpec) -> list[dict[str, Any]]:
     if spec.shm_size is not None:
         volumes.append(
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
+        )
+    if spec.run_dir is not None and spec.run_dir.existing_claim is not None:
+        volumes.append(
+            {
+                "name": RUNS_VOLUME,
+                "persistentVolumeClaim": {"claimName": spec.run_dir.existing_claim},
+            }
         )
     volumes.append(
         {

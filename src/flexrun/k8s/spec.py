@@ -59,8 +59,12 @@ from flexrun._spec import SpecReader, fail, load_yaml
 from flexrun.errors import SpecError
 from flexrun.k8s.spec_placement import (
     NetworkSpec,
+    RunDirSpec,
     SchedulingSpec,
+    check_node_selectors,
+    check_run_dir,
     parse_network,
+    parse_run_dir,
     parse_scheduling,
 )
 from flexrun.k8s.spec_types import (
@@ -149,6 +153,8 @@ class JobSpec:
     spot: SpotSpec = field(default_factory=SpotSpec)
     scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
     network: NetworkSpec = field(default_factory=NetworkSpec)
+    run_dir: RunDirSpec | None = None
+    """Run directories on a durable volume (``spec.runDir``); None: in the pod, lost with it."""
     existing_job_secret: str | None = None
     """A Secret (key ``secret``) to mount instead of rendering the empty ``<name>-secret``."""
     network_policy: bool = True
@@ -238,13 +244,9 @@ class JobSpec:
                     f"spec.hpa.metrics[{i}].type",
                     f"{metric.get('type')!r} not one of {', '.join(METRIC_TYPES)}",
                 )
-        spot_keys = dict(self.spot.node_selector)
-        for key, value in self.scheduling.node_selector:
-            if spot_keys.get(key, value) != value:
-                raise fail(
-                    f"spec.scheduling.nodeSelector.{key}",
-                    f"{value!r} contradicts spot.nodeSelector ({spot_keys[key]!r}): no node has both",
-                )
+        check_node_selectors(self.spot.node_selector, self.scheduling.node_selector)
+        if self.run_dir is not None:
+            check_run_dir(self.run_dir, self.env, self.checkpoint)
         if self.target == TARGET_TRAINJOB:
             self._check_trainjob()
 
@@ -445,6 +447,7 @@ def parse_job_spec(
         spot=parse_spot(s),
         scheduling=parse_scheduling(s),
         network=parse_network(s),
+        run_dir=parse_run_dir(s),
         existing_job_secret=_parse_one_key(s, "jobSecret", "existingSecret"),
         network_policy=s.bool_("networkPolicy", True),
         metrics_port=_parse_one_key(s, "metrics", "port", "int"),

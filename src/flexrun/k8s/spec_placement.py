@@ -1,9 +1,11 @@
-"""The job spec's placement and network blocks (``spec.scheduling``, ``spec.network``).
+"""The job spec's placement, network and run-directory blocks (``spec.scheduling``,
+``spec.network``, ``spec.runDir``).
 
 Owns their fields, defaults and parsing (priority class, node selectors and tolerations
 beside the spot pool's, affinity and topology spread as Kubernetes objects, the
 one-pod-per-node and zone-spread shortcuts, the Kueue queue; host networking, the RDMA
-device resource and the NCCL variables they imply). It does not render them
+device resource and the NCCL variables they imply; where each pod's run directory lives
+so that it outlives the pod). It does not render them
 (``pods.py``, ``objects.py``) nor check Kubernetes objects' fields (``validate``).
 """
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexrun._spec import SpecReader, fail
-from flexrun.k8s.spec_types import DNS1123
+from flexrun.k8s.spec_types import DNS1123, CheckpointVolume
 
 _RESOURCE_NAME = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -142,7 +144,91 @@ def parse_network(s: SpecReader) -> NetworkSpec:
     return out
 
 
+RUNS_VOLUME = "runs"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunDirSpec:
+    """Each pod's run directory (events, per-rank logs, hang stack dumps, error files) on
+    a volume that outlives the pod: ``<mountPath>/<job>/<pod name>`` (``PET_RUN_DIR``), on a
+    PVC of its own or under the checkpoint PVC's mount. A recreated pod has its
+    predecessor's name (PyTorchJob and TrainJob pods are named by index) and continues in
+    its directory; ``flexrun report <mountPath>/<job>/*`` reads all pods together."""
+
+    existing_claim: str | None = None
+    """A ReadWriteMany PVC mounted at ``mount_path`` (None: the checkpoint PVC)."""
+    mount_path: str = "/runs"
+    """Mount point of ``existing_claim`` (with the checkpoint PVC: its mount path + ``/runs``)."""
+
+    def __post_init__(self) -> None:
+        if self.existing_claim is not None and (
+            len(self.existing_claim) > 253 or not DNS1123_SUBDOMAIN.match(self.existing_claim)
+        ):
+            raise fail("spec.runDir.existingClaim", f"{self.existing_claim!r} is not a valid name")
+        if not self.mount_path.startswith("/") or self.mount_path.rstrip("/") in ("", "/dev"):
+            raise fail(
+                "spec.runDir.mountPath", f"must be an absolute directory (got {self.mount_path!r})"
+            )
+        if self.mount_path.rstrip("/").startswith(("/var/run/flexrun", "/dev/shm")):
+            raise fail("spec.runDir.mountPath", f"{self.mount_path!r} is reserved")
+
+
+def parse_run_dir(s: SpecReader) -> RunDirSpec | None:
+    r = s.sub("runDir")
+    if r is None:
+        return None
+    claim = r.str_("existingClaim")
+    on_checkpoint = r.bool_("checkpointVolume", False)
+    if (claim is None) == (not on_checkpoint):
+        raise fail(
+            "spec.runDir",
+            "set existingClaim (a ReadWriteMany PVC) or checkpointVolume: true, not both",
+        )
+    out = RunDirSpec(existing_claim=claim, mount_path=r.str_("mountPath", "/runs"))
+    if on_checkpoint and r.has("mountPath"):
+        raise fail(
+            "spec.runDir.mountPath", "only with existingClaim (else under the checkpoint mount)"
+        )
+    r.done()
+    return out
+
+
+def check_node_selectors(
+    spot: tuple[tuple[str, str], ...], more: tuple[tuple[str, str], ...]
+) -> None:
+    """``scheduling.nodeSelector`` may add labels to ``spot.nodeSelector``, not contradict it."""
+    spot_keys = dict(spot)
+    for key, value in more:
+        if spot_keys.get(key, value) != value:
+            raise fail(
+                f"spec.scheduling.nodeSelector.{key}",
+                f"{value!r} contradicts spot.nodeSelector ({spot_keys[key]!r}): no node has both",
+            )
+
+
+def check_run_dir(
+    run_dir: RunDirSpec, env: tuple[tuple[str, str], ...], checkpoint: CheckpointVolume | None
+) -> None:
+    """``spec.runDir`` against the rest of the spec."""
+    if any(k in ("PET_RUN_DIR", "POD_NAME") for k, _ in env):
+        raise fail("spec.env", "PET_RUN_DIR/POD_NAME are set by spec.runDir; remove them")
+    if run_dir.existing_claim is None and (checkpoint is None or not checkpoint.has_volume):
+        raise fail("spec.runDir.checkpointVolume", "needs a checkpoint PVC (spec.checkpoint)")
+    if (
+        run_dir.existing_claim is not None
+        and checkpoint is not None
+        and checkpoint.has_volume
+        and run_dir.mount_path.rstrip("/") == checkpoint.mount_path.rstrip("/")
+    ):
+        raise fail("spec.runDir.mountPath", "is the checkpoint volume's mount path")
+
+
 __all__ = [
+    "RUNS_VOLUME",
+    "check_node_selectors",
+    "check_run_dir",
+    "RunDirSpec",
+    "parse_run_dir",
     "KUEUE_QUEUE_LABEL",
     "NetworkSpec",
     "SchedulingSpec",
