@@ -232,3 +232,39 @@ def test_a_cluster_training_runtime_gets_no_owner_reference_to_the_namespaced_wo
     assert owner.pop("ClusterTrainingRuntime") is False
     assert owner and all(owner.values()), owner
     assert "train-clustertrainingruntime" in tasks["train"]["dependencies"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_train_stage_with_scheduling_network_and_run_dir_renders_a_valid_workflow(
+    target: str,
+) -> None:
+    from flexrun.k8s.validate import validate_documents
+
+    data = yaml.safe_load(EXAMPLE.read_text())
+    train = next(s for s in data["stages"] if s["name"] == "train")["train"]
+    train["k8s"].update(
+        target=target,
+        scheduling={
+            "priorityClassName": "high",
+            "onePodPerNode": True,
+            "kueue": {"queueName": "q"},
+        },
+        network={"hostNetwork": True, "rdma": {"resource": "rdma/hca"}},
+        runDir={"checkpointVolume": True},
+    )
+    workflow = yaml.safe_load(
+        to_yaml(render_workflow(parse_pipeline(data, base_dir=EXAMPLE.parent)))
+    )
+    docs = embedded_manifests(workflow)
+    job = next(d for d in docs if d["kind"] == JOB_KIND[target])
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+    report = validate_documents(docs, use_core_schemas=False)
+    assert report.ok, [str(p) for p in report.errors]
+    if ARGO_SCHEMA.is_file():
+        import jsonschema
+
+        schema = json.loads(ARGO_SCHEMA.read_text())
+        pinned = {"$ref": "#/definitions/io.argoproj.workflow.v1alpha1.Workflow", **schema}
+        pinned.pop("oneOf")
+        errors = list(jsonschema.validators.validator_for(schema)(pinned).iter_errors(workflow))
+        assert not errors, [e.message[:300] for e in errors]
