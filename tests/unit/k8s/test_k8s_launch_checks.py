@@ -202,3 +202,14 @@ def test_flexrun_renders_raise_no_launch_error(example: Path) -> None:
 )
 def test_launcher_options(argv: list[str], want: dict[str, str] | None) -> None:
     assert launcher_options(argv) == want
+
+
+@pytest.mark.parametrize("bad", [[], {}, 5])
+def test_a_non_string_namespace_on_trainer_objects_is_a_problem_not_a_crash(bad: object) -> None:
+    # found by test_k8s_fuzz (metadata.namespace: [] made the runtimes' key unhashable)
+    docs = render(load_job_spec(TRAINJOB_EXAMPLE))
+    for d in docs:
+        if d["kind"] in ("TrainingRuntime", "TrainJob"):
+            d["metadata"]["namespace"] = bad
+    report = validate_documents(docs, use_core_schemas=False)
+    assert any("namespace" in p.path for p in report.errors), [str(p) for p in report.problems]
