@@ -22,6 +22,8 @@ Usage (on a machine with a CUDA GPU, from the repository root, flexrun importabl
     python bench/bench_gpu_checkpoint.py                 # ~1B params, about 4-6 min on an H200
     python bench/bench_gpu_checkpoint.py --tiny          # CPU dry run: small model, gloo
 
+``--json PATH`` also writes the measurements as JSON (``bench/gpu_check.py`` reads them).
+
 Without a CUDA device and without ``--tiny`` it says so and exits 0. Checkpoints go to
 ``--dir`` (default: a temporary directory, removed at the end; about 2.5x the state size
 at the peak, ~30 GB for the full model).
@@ -57,6 +59,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="results file ('-': stdout only)")
     ap.add_argument("--timeout", type=float, default=460.0, help="seconds for the whole run")
+    ap.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON result path
     return ap.parse_args(argv)
 
@@ -285,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = report(result, command.strip(), before, _uptime(), time.monotonic() - started)
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(result, command=command.strip()), indent=2))
     if args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)

@@ -275,7 +275,8 @@ MIRRORED: dict[tuple[str, ...], Schema] = {
 # --- the webhook rules ---------------------------------------------------------------
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_OPERATOR_ENV = re.compile(r"^(PET_[A-Z_]+|MASTER_ADDR|MASTER_PORT|WORLD_SIZE|RANK)$")
+# (PET_RUN_DIR is flexrun's own setting, not the operator's: spec.runDir renders it.)
+_OPERATOR_ENV = re.compile(r"^(PET_(?!RUN_DIR$)[A-Z_]+|MASTER_ADDR|MASTER_PORT|WORLD_SIZE|RANK)$")
 
 
 def webhook_problems(obj: str, job: Mapping[str, Any]) -> list[Problem]:

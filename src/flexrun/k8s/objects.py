@@ -27,7 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from flexrun.k8s.spec import JobSpec
-from flexrun.k8s.spec_types import ETCD_SECRET_DIR, ETCD_SECRET_KEYS, JOB_SECRET_KEY
+from flexrun.k8s.spec_placement import KUEUE_QUEUE_LABEL
+from flexrun.k8s.spec_types import (
+    ETCD_SECRET_DIR,
+    ETCD_SECRET_KEYS,
+    JOB_SECRET_KEY,
+)
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 ETCD_MEMBERS = 3
@@ -58,6 +63,15 @@ def meta(spec: JobSpec, name: str, component: str, *, namespaced: bool = True) -
     if namespaced and spec.namespace is not None:
         out["namespace"] = spec.namespace
     out["labels"] = labels(spec, component)
+    return out
+
+
+def job_meta(spec: JobSpec) -> dict[str, Any]:
+    """``metadata`` of the job object itself (PyTorchJob or TrainJob): a Kueue queue label
+    when the job goes through Kueue."""
+    out = meta(spec, spec.name, "job")
+    if spec.scheduling.queue is not None:
+        out["labels"][KUEUE_QUEUE_LABEL] = spec.scheduling.queue
     return out
 
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, fresh, labels
+from flexrun.k8s.objects import POD_IP_ENV, etcd_secret_volume, fresh, labels, worker_selector
 from flexrun.k8s.spec import JobSpec
+from flexrun.k8s.spec_placement import RUNS_VOLUME
 from flexrun.k8s.spec_types import (
     ETCD_SECRET_DIR,
     JOB_SECRET_DIR,
@@ -63,6 +64,20 @@ def entrypoint(spec: JobSpec) -> list[str]:
     return [*head, *spec.args]
 
 
+def run_dir_path(spec: JobSpec) -> str | None:
+    """Each pod's ``PET_RUN_DIR`` on the durable volume (``$(POD_NAME)`` expanded by
+    Kubernetes), or None when run directories stay in the pod."""
+    rd = spec.run_dir
+    if rd is None:
+        return None
+    if rd.existing_claim is not None:
+        base = rd.mount_path.rstrip("/")
+    else:
+        assert spec.checkpoint is not None  # (JobSpec checked it)
+        base = f"{spec.checkpoint.mount_path.rstrip('/')}/runs"
+    return f"{base}/{spec.name}/$(POD_NAME)"
+
+
 def resources(spec: JobSpec) -> dict[str, Any]:
     """Container resources: ``{requests, limits}``, empty parts dropped."""
     requests: dict[str, Any] = {}
@@ -73,6 +88,9 @@ def resources(spec: JobSpec) -> dict[str, Any]:
         requests["memory"] = limits["memory"] = spec.resources.memory
     if spec.resources.gpu:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = spec.resources.gpu
+    if spec.network.rdma_resource is not None:
+        rdma = spec.network.rdma_resource
+        requests[rdma] = limits[rdma] = spec.network.rdma_count
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
@@ -87,6 +105,11 @@ def worker_container(
     """The agent container; ``args`` None leaves them to the operator (a TrainJob's)."""
     env: list[dict[str, Any]] = [POD_IP_ENV]
     env += [{"name": k, "value": v} for k, v in spec.env]
+    own = {k for k, _ in spec.env}
+    if (run_dir := run_dir_path(spec)) is not None:
+        env.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+        env.append({"name": "PET_RUN_DIR", "value": run_dir})  # after POD_NAME: it expands
+    env += [{"name": k, "value": v} for k, v in spec.network.nccl_env() if k not in own]
     env.append({"name": "FLEXRUN_JOB_SECRET_FILE", "value": JOB_SECRET_FILE})
     ckpt = spec.checkpoint
     if ckpt is not None:
@@ -110,6 +133,8 @@ def worker_container(
         mounts.append({"name": "checkpoints", "mountPath": ckpt.mount_path})
     if spec.shm_size is not None:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.run_dir is not None and spec.run_dir.existing_claim is not None:
+        mounts.append({"name": RUNS_VOLUME, "mountPath": spec.run_dir.mount_path})
     mounts.append({"name": "job-secret", "mountPath": JOB_SECRET_DIR, "readOnly": True})
     if spec.store.type == "etcd":
         mounts.append({"name": "etcd-tls", "mountPath": ETCD_SECRET_DIR, "readOnly": True})
@@ -143,6 +168,13 @@ def _volumes(spec: JobSpec) -> list[dict[str, Any]]:
         volumes.append(
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
         )
+    if spec.run_dir is not None and spec.run_dir.existing_claim is not None:
+        volumes.append(
+            {
+                "name": RUNS_VOLUME,
+                "persistentVolumeClaim": {"claimName": spec.run_dir.existing_claim},
+            }
+        )
     volumes.append(
         {
             "name": "job-secret",
@@ -172,13 +204,50 @@ def worker_pod_spec(
     pod["securityContext"] = {"fsGroup": POD_FS_GROUP, "fsGroupChangePolicy": "OnRootMismatch"}
     if spec.service_account is not None:
         pod["serviceAccountName"] = spec.service_account
+    sched = spec.scheduling
+    if sched.priority_class is not None:
+        pod["priorityClassName"] = sched.priority_class
+    if spec.network.host_network:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"  # Services still resolve (the store)
     pod["containers"] = [container]
-    if spec.spot.node_selector:
-        pod["nodeSelector"] = dict(spec.spot.node_selector)
-    if spec.spot.tolerations:
-        pod["tolerations"] = _tolerations(spec)
+    if selector := {**dict(spec.spot.node_selector), **dict(sched.node_selector)}:
+        pod["nodeSelector"] = selector
+    if tolerations := [*_tolerations(spec), *(fresh(dict(t)) for t in sched.tolerations)]:
+        pod["tolerations"] = tolerations
+    if affinity := _affinity(spec):
+        pod["affinity"] = affinity
+    if spread := _spread(spec):
+        pod["topologySpreadConstraints"] = spread
     pod["volumes"] = _volumes(spec)
     return pod
+
+
+def _affinity(spec: JobSpec) -> dict[str, Any]:
+    affinity: dict[str, Any] = fresh(dict(spec.scheduling.affinity or {}))
+    if spec.scheduling.one_pod_per_node:
+        anti = affinity.setdefault("podAntiAffinity", {})
+        anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            {
+                "labelSelector": {"matchLabels": worker_selector(spec)},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        )
+    return affinity
+
+
+def _spread(spec: JobSpec) -> list[dict[str, Any]]:
+    spread = [fresh(dict(c)) for c in spec.scheduling.topology_spread]
+    if spec.scheduling.spread_zones:
+        spread.append(
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": worker_selector(spec)},
+            }
+        )
+    return spread
 
 
 def worker_pod_metadata(spec: JobSpec) -> dict[str, Any]:

@@ -32,8 +32,8 @@ from flexrun.k8s.objects import (
     ETCD_PEER_PORT,
     Manifest,
     fresh,
+    job_meta,
     labels,
-    meta,
     store_port,
     store_service_name,
     supporting_objects,
@@ -74,6 +74,8 @@ def render_pytorchjob(spec: JobSpec) -> Manifest:
     run_policy: dict[str, Any] = {"cleanPodPolicy": "None"}
     if spec.backoff_limit is not None:
         run_policy["backoffLimit"] = spec.backoff_limit
+    if spec.scheduling.queue is not None:
+        run_policy["suspend"] = True  # Kueue un-suspends it once the whole job is admitted
     container = worker_container(
         spec,
         name=CONTAINER_NAME,
@@ -83,7 +85,7 @@ def render_pytorchjob(spec: JobSpec) -> Manifest:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": meta(spec, spec.name, "job"),
+        "metadata": job_meta(spec),
         "spec": {
             "runPolicy": run_policy,
             "elasticPolicy": elastic,

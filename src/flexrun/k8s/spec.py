@@ -38,7 +38,9 @@ The file format::
       spot:
         nodeSelector: {cloud.google.com/gke-spot: "true"}
         tolerations: [{key: cloud.google.com/gke-spot, value: "true", effect: NoSchedule}]
-      gracePeriodSeconds: 120
+      scheduling: {priorityClassName: high, onePodPerNode: true, kueue: {queueName: q}}
+      network: {hostNetwork: true, rdma: {resource: rdma/hca}}  # docs/k8s-scheduling.md
+      gracePeriodSeconds: 30      # within the spot pool's reclaim notice
       maxRestarts: 3
       backoffLimit: 50
       env: {NCCL_DEBUG: WARN}
@@ -55,6 +57,16 @@ from typing import Any
 
 from flexrun._spec import SpecReader, fail, load_yaml
 from flexrun.errors import SpecError
+from flexrun.k8s.spec_placement import (
+    NetworkSpec,
+    RunDirSpec,
+    SchedulingSpec,
+    check_node_selectors,
+    check_run_dir,
+    parse_network,
+    parse_run_dir,
+    parse_scheduling,
+)
 from flexrun.k8s.spec_types import (
     API_VERSION,
     ENV_NAME,
@@ -139,6 +151,10 @@ class JobSpec:
     checkpoint: CheckpointVolume | None = None
     store: StoreSpec = field(default_factory=StoreSpec)
     spot: SpotSpec = field(default_factory=SpotSpec)
+    scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
+    network: NetworkSpec = field(default_factory=NetworkSpec)
+    run_dir: RunDirSpec | None = None
+    """Run directories on a durable volume (``spec.runDir``); None: in the pod, lost with it."""
     existing_job_secret: str | None = None
     """A Secret (key ``secret``) to mount instead of rendering the empty ``<name>-secret``."""
     network_policy: bool = True
@@ -228,6 +244,9 @@ class JobSpec:
                     f"spec.hpa.metrics[{i}].type",
                     f"{metric.get('type')!r} not one of {', '.join(METRIC_TYPES)}",
                 )
+        check_node_selectors(self.spot.node_selector, self.scheduling.node_selector)
+        if self.run_dir is not None:
+            check_run_dir(self.run_dir, self.env, self.checkpoint)
         if self.target == TARGET_TRAINJOB:
             self._check_trainjob()
 
@@ -426,6 +445,9 @@ def parse_job_spec(
         checkpoint=parse_checkpoint(s),
         store=parse_store(s),
         spot=parse_spot(s),
+        scheduling=parse_scheduling(s),
+        network=parse_network(s),
+        run_dir=parse_run_dir(s),
         existing_job_secret=_parse_one_key(s, "jobSecret", "existingSecret"),
         network_policy=s.bool_("networkPolicy", True),
         metrics_port=_parse_one_key(s, "metrics", "port", "int"),

@@ -36,6 +36,7 @@ from typing import Any
 from flexrun import exitcodes
 from flexrun.k8s.objects import (
     Manifest,
+    job_meta,
     meta,
     store_port,
     store_service_name,
@@ -202,7 +203,7 @@ def render_job(spec: JobSpec) -> Manifest:
     return {
         "apiVersion": API_VERSION,
         "kind": "TrainJob",
-        "metadata": meta(spec, spec.name, "job"),
+        "metadata": job_meta(spec),
         "spec": {
             "runtimeRef": {
                 "apiGroup": API_GROUP,
@@ -210,6 +211,8 @@ def render_job(spec: JobSpec) -> Manifest:
                 "name": runtime_name(spec),
             },
             "trainer": trainer,
+            # Kueue un-suspends it once the whole job is admitted
+            **({"suspend": True} if spec.scheduling.queue is not None else {}),
         },
     }
 

@@ -13,7 +13,10 @@ by dispatching each object to its checker and collecting every :class:`Problem`:
 - core objects (Deployment, StatefulSet, Service, PVC, Secret, NetworkPolicy, ...) and the
   pod and job templates embedded in the Kubeflow objects: Kubernetes' own schemas through
   ``kubernetes-validate`` when installed, flexrun's structural checks always
-  (``core_checks``).
+  (``core_checks``);
+- the worker pods of both, against the object around them: the launcher's ``--nnodes``
+  against the pods, unexpanded ``$VAR``, spot grace, ``/dev/shm``, GPUs per process
+  (``launch_checks``).
 
 It never needs the network: the Trainer schemas are package data (their source and
 version are in ``schemas/README.md``), the PyTorchJob rules are code, Kubernetes' schemas
@@ -29,7 +32,7 @@ from typing import Any
 
 from flexrun._spec import load_yaml_documents, parse_yaml_documents
 from flexrun.errors import SpecError
-from flexrun.k8s import core_checks, validate_trainer
+from flexrun.k8s import core_checks, launch_checks, validate_trainer
 from flexrun.k8s._pytorchjob_rules import check_pytorchjob
 from flexrun.k8s.core_checks import KUBERNETES_VALIDATE_REQUIREMENT
 from flexrun.k8s.problems import Problem, Report, dedupe, name_of
@@ -146,11 +149,14 @@ def validate_documents(
         kind, api = doc["kind"], doc.get("apiVersion")
         if kind == "PyTorchJob" or (isinstance(api, str) and api.startswith("kubeflow.org/")):
             problems += check_pytorchjob(obj, doc)
+            problems += launch_checks.pytorchjob_pod_problems(obj, doc)
             if kv is not None:
                 problems += _pytorchjob_templates(kv, obj, doc, version)
             continue
         if validate_trainer.is_trainer_kind(doc):
             problems += trainer.add(obj, doc)
+            if kind in validate_trainer.RUNTIME_KINDS:
+                problems += launch_checks.runtime_pod_problems(obj, doc)
             if kv is not None and kind in validate_trainer.RUNTIME_KINDS:
                 problems += _runtime_templates(kv, obj, doc, version)
             continue

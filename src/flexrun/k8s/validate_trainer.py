@@ -76,6 +76,12 @@ class Runtime:
     """The largest ``successPolicy`` ``succeededCount`` (needs as many pods)."""
 
 
+def _namespace(meta: Mapping[str, Any]) -> str | None:
+    """``metadata.namespace`` when it is a string (anything else is a schema problem)."""
+    ns = meta.get("namespace")
+    return ns if isinstance(ns, str) else None
+
+
 def is_trainer_kind(doc: Mapping[str, Any]) -> bool:
     api = doc.get("apiVersion")
     return doc.get("kind") in _trainer_schema.KINDS or (
@@ -303,7 +309,7 @@ def runtime_problems(obj: str, doc: Mapping[str, Any]) -> tuple[list[Problem], R
             obj=obj,
             kind=str(doc.get("kind")),
             name=str(meta.get("name")),
-            namespace=meta.get("namespace") if doc.get("kind") == "TrainingRuntime" else None,
+            namespace=_namespace(meta) if doc.get("kind") == "TrainingRuntime" else None,
             num_nodes=num_nodes if isinstance(num_nodes, int) else None,
             node_range=_node_range(command),
             job_name=str(_m(jobs[index]).get("name")),
@@ -348,7 +354,7 @@ def trainjob_problems(
             )
         )
     elif isinstance(name, str):
-        ns = meta.get("namespace") if kind == "TrainingRuntime" else None
+        ns = _namespace(meta) if kind == "TrainingRuntime" else None
         runtime = runtimes.get((kind, name, ns))
         if runtime is None and f"{kind}/{name}" not in set(installed):
             out.append(

@@ -14,12 +14,24 @@ Cluster semantics, chosen to match the elastic job:
   the job spec's ``checkpoint.url`` / ``storageOptions`` instead (checkpoints in the object
   store, no checkpoint volume) and the artifacts claim is mounted into its workers as a
   plain volume, so relative paths still mean the artifacts, as locally.
-- The train step succeeds when any Worker succeeded (``replicaStatuses.Worker.succeeded``):
+- The train step is the job object itself (a PyTorchJob, or with ``k8s.target: trainjob``
+  a TrainJob, after the runtime and store objects it needs), named after the stage, so
+  later stages depend on the stage's name whatever the target. Argo evaluates a resource
+  step's conditions as Kubernetes label selectors over the object's JSON (gjson paths):
+  keys are dotted paths without list queries, every requirement of ``successCondition``
+  must hold, and the step fails as soon as ANY requirement of ``failureCondition`` holds.
+  Conditions are therefore single requirements on fields that are not lists of conditions:
+- PyTorchJob: succeeded when any Worker succeeded (``replicaStatuses.Worker.succeeded``):
   an elastic agent exits 0 only once the whole job finished (torchrun semantics; the
-  Kubeflow operator marks elastic jobs Succeeded the same way). It fails only when the
-  operator gave up: the job has a ``completionTime`` and no Worker succeeded. A preempted
-  Worker (exit 143) is restarted by the operator (``restartPolicy: ExitCode``) and does
-  not fail the step, so ``Worker.failed > 0`` is deliberately not a failure condition.
+  Kubeflow operator marks elastic jobs Succeeded the same way). It has no failure
+  condition: the operator's verdict is only in ``status.conditions`` (a list Argo's keys
+  cannot search), and ``Worker.failed`` also counts a preempted Worker (exit 143) that the
+  operator is about to restart (``restartPolicy: ExitCode``). A job the operator gave up on
+  fails the step at the stage's ``timeout`` (``activeDeadlineSeconds``).
+- TrainJob: its runtime has one replicated job (``node``), so ``status.jobsStatus`` has one
+  entry: succeeded when its child Job succeeded (one pod exited 0, the Job's
+  ``successPolicy``), failed when it failed (a permanent exit code or ``backoffLimit``
+  spent; the JobSet never restarts, so that is the TrainJob's failure too).
 - The train step has no Argo retry (a retry would re-create a job that exists); elastic
   restarts belong to ``maxRestarts`` and the operator. Objects the workflow creates carry
   an owner reference to it, so deleting the workflow deletes them; a mutex named after
@@ -52,8 +64,13 @@ _OWNED_JOB_FIELDS = (
     "checkpoint",
 )
 
-SUCCESS_CONDITION = "status.replicaStatuses.Worker.succeeded > 0"
-FAILURE_CONDITION = "status.completionTime,!status.replicaStatuses.Worker.succeeded"
+#: kind of the train step's object -> (successCondition, failureCondition or None)
+JOB_CONDITIONS: dict[str, tuple[str, str | None]] = {
+    "PyTorchJob": ("status.replicaStatuses.Worker.succeeded > 0", None),
+    "TrainJob": ("status.jobsStatus.0.succeeded > 0", "status.jobsStatus.0.failed > 0"),
+}
+SUCCESS_CONDITION = JOB_CONDITIONS["PyTorchJob"][0]
+_CLUSTER_SCOPED = frozenset({"ClusterTrainingRuntime"})
 
 Manifest = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -227,13 +244,27 @@ def _mount_artifacts(pipeline: Pipeline, pod: Manifest, container: Manifest) -> 
     )
 
 
+def _worker_pod(manifest: Manifest) -> tuple[Manifest, str] | None:
+    """The worker pod spec of a rendered job object and its container's name, or None."""
+    from flexrun.k8s.render import CONTAINER_NAME
+    from flexrun.k8s.trainjob import NODE
+
+    if manifest["kind"] == "PyTorchJob":
+        return manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], CONTAINER_NAME
+    if manifest["kind"] in ("TrainingRuntime", "ClusterTrainingRuntime"):
+        rjobs = manifest["spec"]["template"]["spec"]["replicatedJobs"]
+        return rjobs[0]["template"]["spec"]["template"]["spec"], NODE
+    return None
+
+
 def render_train_manifests(pipeline: Pipeline, stage: Stage) -> list[Manifest]:
-    """The train stage's objects: rendezvous store objects, then the PyTorchJob.
+    """The train stage's objects: rendezvous store objects, then the job (a PyTorchJob, or
+    a training runtime and the TrainJob referencing it).
 
     Raises:
         SpecError: the train block does not make a valid k8s job (the field is named).
     """
-    from flexrun.k8s.render import CONTAINER_NAME, render
+    from flexrun.k8s.render import render
     from flexrun.k8s.spec import parse_job_spec
 
     where = f"stages.{stage.name}.train"
@@ -243,21 +274,23 @@ def render_train_manifests(pipeline: Pipeline, stage: Stage) -> list[Manifest]:
         raise SpecError(f"{where}: as a Kubernetes job: {exc}") from None
     manifests = render(job)
     for m in manifests:
-        if m["kind"] == "PyTorchJob":
-            pod = m["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-            for c in pod["containers"]:
-                if c["name"] == CONTAINER_NAME:
-                    # Relative paths in the args mean the shared artifacts volume, as locally.
-                    c["workingDir"] = pipeline.argo.mount_path
-                    if stage.train is not None and stage.train.checkpoint_url is not None:
-                        _mount_artifacts(pipeline, pod, c)
+        found = _worker_pod(m)
+        if found is None:
+            continue
+        pod, name = found
+        for c in pod["containers"]:
+            if c["name"] == name:
+                # Relative paths in the args mean the shared artifacts volume, as locally.
+                c["workingDir"] = pipeline.argo.mount_path
+                if stage.train is not None and stage.train.checkpoint_url is not None:
+                    _mount_artifacts(pipeline, pod, c)
     from flexrun.k8s.validate import validate_documents
 
     # Never emit a workflow whose job the operator would reject (structural checks only:
     # they need no optional package; the tests also run Kubernetes' own schemas).
     report = validate_documents(manifests, use_core_schemas=False)
     if report.errors:
-        raise SpecError(f"{where}: the rendered PyTorchJob is invalid: {report.errors[0]}")
+        raise SpecError(f"{where}: the rendered job is invalid: {report.errors[0]}")
     return manifests
 
 
@@ -268,12 +301,16 @@ def _resource_template(
 
     resource: Manifest = {
         "action": action,
-        "setOwnerReference": True,
+        # A namespaced Workflow cannot own a cluster-scoped object (the garbage collector
+        # would treat the reference as unresolvable): a ClusterTrainingRuntime outlives it.
+        "setOwnerReference": manifest["kind"] not in _CLUSTER_SCOPED,
         "manifest": to_yaml([manifest]),
     }
-    if manifest["kind"] == "PyTorchJob":
-        resource["successCondition"] = SUCCESS_CONDITION
-        resource["failureCondition"] = FAILURE_CONDITION
+    conditions = JOB_CONDITIONS.get(manifest["kind"])
+    if conditions is not None:
+        resource["successCondition"] = conditions[0]
+        if conditions[1] is not None:
+            resource["failureCondition"] = conditions[1]
     template: Manifest = {"name": name, "resource": resource}
     if timeout_s is not None:
         template["activeDeadlineSeconds"] = str(int(timeout_s))
@@ -301,7 +338,7 @@ def render_workflow(pipeline: Pipeline) -> Manifest:
         store_tasks: list[str] = []
         used: set[str] = set()
         for m in render_train_manifests(pipeline, stage):
-            if m["kind"] == "PyTorchJob":
+            if m["kind"] in JOB_CONDITIONS:
                 templates.append(_resource_template(stage.name, m, "create", stage.timeout_s))
                 task = {"name": stage.name, "template": stage.name}
                 if deps or store_tasks:

@@ -111,13 +111,13 @@ def test_node_container_runs_flexrun_with_its_own_rendezvous_settings() -> None:
     assert flag("--rdzv-endpoint") == "llm-tj-store:29400"
     assert flag("--rdzv-id") == "llm-tj"
     assert flag("--max-restarts") == "5"
-    assert flag("--local-addr") == "$(POD_IP)" and flag("--stop-grace") == "170"
+    assert flag("--local-addr") == "$(POD_IP)" and flag("--stop-grace") == "20"
     assert "--nproc-per-node" not in cmd  # numeric: from PET_NPROC_PER_NODE
     assert "--metrics-host" not in cmd and "--metrics-port" not in cmd
     assert not {e["name"] for e in container["env"]} & OPERATOR_ENV
     pod = _node_job(runtime)["template"]["spec"]["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
-    assert pod["terminationGracePeriodSeconds"] == 180
+    assert pod["terminationGracePeriodSeconds"] == 30
     assert pod["tolerations"][0]["key"] == "cloud.google.com/gke-spot"
     assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
     labels = _node_job(runtime)["template"]["metadata"]["labels"]
