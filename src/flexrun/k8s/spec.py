@@ -39,7 +39,7 @@ The file format::
         nodeSelector: {cloud.google.com/gke-spot: "true"}
         tolerations: [{key: cloud.google.com/gke-spot, value: "true", effect: NoSchedule}]
       scheduling: {priorityClassName: high, onePodPerNode: true, kueue: {queueName: q}}
-      network: {hostNetwork: true, rdma: {resource: rdma/hca}}  # docs/k8s-scheduling.md
+      network: {hostNetwork: true, rdma: {resource: rdma/hca}}  # docs/user/k8s-scheduling.md
       gracePeriodSeconds: 30      # within the spot pool's reclaim notice
       maxRestarts: 3
       backoffLimit: 50
