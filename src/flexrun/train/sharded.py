@@ -12,6 +12,15 @@ and refuses code execution: DCP's own reader unpickles ``.metadata`` with plain
 an exact allow-list of the (module, name) pairs DCP's metadata consists of
 (:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Saves are
 synchronous (collective).
+
+Modules and optimizers registered as they are go through
+``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``get_optimizer_state_dict`` and their ``set_`` halves), so an optimizer whose state is not
+yet created (a fresh process) is initialised before DCP loads into it and FSDP2 / DTensor
+parameters are keyed by their fully qualified names; an optimizer is saved against the
+registered module(s) holding its parameters, and refused if none does. A load refuses a
+checkpoint holding state under a registered name that the object does not take (DCP itself
+would drop it silently).
 """
 
 from __future__ import annotations
@@ -28,8 +37,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
@@ -143,6 +159,34 @@ def _fsspec_reader(url: str, options: Mapping[str, Any]) -> Any:
 
 
 class _SafePlanner(DefaultLoadPlanner):
+    """Loads non-tensor items with ``weights_only=True``, and refuses a checkpoint holding
+    keys under the registered names that the objects' state dicts do not ask for."""
+
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self._names = names
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        wanted = set(self.state_dict)
+        dropped = sorted(
+            k
+            for k in metadata.state_dict_metadata
+            if k not in wanted and k.split(".", 1)[0] in self._names
+        )
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (
+                f" (+{len(dropped) - 5} more)" if len(dropped) > 5 else ""
+            )
+            raise CheckpointError(
+                f"the checkpoint holds state the registered objects do not take, which would "
+                f"be dropped: {shown}"
+            )
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
@@ -216,6 +260,70 @@ class _HashingFS:
                 self.digests[_base(new_path)] = self.digests.pop(_base(path))
 
 
+class _ModuleState:
+    """A registered ``nn.Module`` through ``get_model_state_dict``/``set_model_state_dict``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state)
+
+
+class _OptimizerState:
+    """A registered optimizer through ``get_optimizer_state_dict``/``set_optimizer_state_dict``
+    against the module holding its parameters: its state is created before DCP loads into
+    it, so nothing of the checkpoint is skipped."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.module, self.optimizer, state)
+
+
+def _owner(
+    name: str, optimizer: torch.optim.Optimizer, modules: dict[str, torch.nn.Module]
+) -> torch.nn.Module:
+    """The registered module (or, across several, a ``ModuleDict`` of them by name) whose
+    parameters include every parameter ``optimizer`` steps.
+
+    Raises:
+        CheckpointError: some parameter belongs to no registered module.
+    """
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    holders = {n: m for n, m in modules.items() if params & {id(p) for p in m.parameters()}}
+    covered: set[int] = set()
+    for m in holders.values():
+        covered |= {id(p) for p in m.parameters()}
+    if not holders or not params <= covered:
+        raise CheckpointError(
+            f"optimizer {name!r} steps parameters of no registered module: register the "
+            f"module(s) it trains too (their state is saved by name, and the optimizer's "
+            f"state is keyed by their parameter names)"
+        )
+    if len(holders) == 1:
+        return next(iter(holders.values()))
+    return torch.nn.ModuleDict(holders)
+
+
+def _dcp_error(exc: BaseException) -> str:
+    """One line per failed rank for DCP's ``CheckpointException`` (a ``BaseException``
+    whose text is every rank's traceback), the exception's text otherwise."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(inner).__name__}: {inner}"
+            for rank, (inner, _) in sorted(exc.failures.items())
+        )
+    return str(exc)
+
+
 def _base(path: Any) -> str:
     return os.path.basename(str(os.fspath(path)).rstrip("/"))
 
@@ -269,6 +377,24 @@ class ShardedCheckpointer(RankZero):
             raise CheckpointError(f"checkpoint name {name!r} is invalid or taken")
         self._objects[name] = obj
 
+    def _state_objects(self) -> dict[str, Any]:
+        """What DCP saves and loads: modules and optimizers through
+        ``torch.distributed.checkpoint.state_dict``, everything else as registered.
+
+        Raises:
+            CheckpointError: an optimizer steps parameters of no registered module.
+        """
+        modules = {n: o for n, o in self._objects.items() if isinstance(o, torch.nn.Module)}
+        out: dict[str, Any] = {}
+        for n, o in self._objects.items():
+            if isinstance(o, torch.nn.Module):
+                out[n] = _ModuleState(o)
+            elif isinstance(o, torch.optim.Optimizer):
+                out[n] = _OptimizerState(_owner(n, o, modules), o)
+            else:
+                out[n] = o
+        return out
+
     def steps(self) -> list[int]:
         """Committed (unverified) steps, ascending."""
         return self._proto.steps()
@@ -296,6 +422,7 @@ class ShardedCheckpointer(RankZero):
                 checkpoint is intact.
         """
         t0 = self._clock.monotonic()
+        objects = self._state_objects()
         staged, error = None, None
         if self._ctx.is_main:
             try:
@@ -309,7 +436,7 @@ class ShardedCheckpointer(RankZero):
         local_error, entries = None, {}
         try:
             writer, hashing = self._dcp_writer(staged)
-            dcp.save(dict(self._objects), storage_writer=writer)
+            dcp.save(objects, storage_writer=writer)
             entries.update(hashing.digests)
             if self.options.save_rng:
                 rng = capture_rng()
@@ -320,8 +447,8 @@ class ShardedCheckpointer(RankZero):
                 entries["extra.pt"] = self._proto.write(
                     staged, "extra.pt", lambda f: torch.save(payload, f)
                 )
-        except Exception as exc:  # DCP raises CheckpointException, OSError ...
-            local_error = f"rank {self._ctx.rank}: {exc}"
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
         gathered = self._gather((local_error, entries))
         result = None
         if self._ctx.is_main:
@@ -386,6 +513,7 @@ class ShardedCheckpointer(RankZero):
             CheckpointError: checkpoints exist but none verifies, or DCP failed to load.
         """
         t0 = self._clock.monotonic()
+        objects = self._state_objects()
         chosen, failure, skipped, info = None, None, [], None
         if self._ctx.is_main:
             candidates = sorted(self.steps(), reverse=True)
@@ -419,9 +547,9 @@ class ShardedCheckpointer(RankZero):
             else _SafeReader(path)
         )
         try:
-            dcp.load(dict(self._objects), storage_reader=reader, planner=_SafePlanner())
-        except Exception as exc:  # DCP wraps rank failures in CheckpointException
-            raise CheckpointError(f"DCP load of {path} failed: {exc}") from exc
+            dcp.load(objects, storage_reader=reader, planner=_SafePlanner(frozenset(objects)))
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise CheckpointError(f"DCP load of {path} failed: {_dcp_error(exc)}") from exc
         manifest = self._proto.read_manifest(chosen)
         rng_name = f"rng_{self._ctx.rank}.pt"
         if self.options.save_rng and rng_name in manifest.files:
