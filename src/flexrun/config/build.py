@@ -66,6 +66,15 @@ def _std(text: str | None, flag: str) -> StdStreams:
     return StdStreams(default=value)
 
 
+def _modules(value: object, flag: str) -> tuple[str, ...]:
+    """Comma-separated dotted module names (``transformers,lightning.pytorch``)."""
+    names = tuple(n.strip() for n in str(value or "").split(",") if n.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"{flag} {name!r}: not a module name (comma-separated a.b.c)")
+    return names
+
+
 def _int(value: object, flag: str, *, low: int = 0) -> int:
     try:
         number = int(str(value).strip())
@@ -302,6 +311,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         mode=mode,
         warm_spares=spares,
         spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,
+        spare_preload=_modules(a.get("spare_preload"), "--spare-preload"),
         metrics_port=_port_or_none(a.get("metrics_port"), "--metrics-port"),
         metrics_host=str(a.get("metrics_host") or "127.0.0.1"),
         hang_timeout_s=parse_duration(a["hang_timeout"], "--hang-timeout"),
