@@ -341,6 +341,13 @@ def add_flexrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
         "None: off",
     )
     o.value(
+        "--accelerate-config",
+        default=None,
+        help="an `accelerate config` file: the workers get the ACCELERATE_*/FSDP_* variables "
+        "`accelerate launch --config_file FILE` would give them (computed by the workers' "
+        "accelerate); None: none",
+    )
+    o.value(
         "--spare-preload",
         default=None,
         help="comma-separated modules the warm spares import before they are needed (e.g. "

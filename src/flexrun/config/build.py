@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrun.config import netaddr, numa, plugins
+from flexrun.config.accelerate import accelerate_env
 from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
@@ -237,6 +238,13 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         # (Live workers sign too: the agent gives them the secret as a file,
         # FLEXRUN_JOB_SECRET_FILE, read by flexrun.store.factory.connect_from_env.)
         store = replace(store, secret=generated_secret())
+    accelerate = (
+        accelerate_env(
+            a["accelerate_config"], environ.get("PYTHON_EXEC") or sys.executable, environ
+        )
+        if a.get("accelerate_config")
+        else {}
+    )
     spares_raw = a["warm_spares"]
     spares = (
         _int(spares_raw, "--warm-spares")
@@ -307,7 +315,8 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         store=store,
         rendezvous=rdzv,
         # torchrun exports it to its own environment, so every worker inherits it.
-        environ=dict(environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(signals)),
+        # (--accelerate-config: what `accelerate launch` would export, over the caller's.)
+        environ={**environ, **accelerate, "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signals)},
         mode=mode,
         warm_spares=spares,
         spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,
