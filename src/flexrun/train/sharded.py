@@ -11,7 +11,10 @@ and refuses code execution: DCP's own reader unpickles ``.metadata`` with plain
 ``pickle`` and non-tensor items with ``weights_only=False``; here metadata goes through
 an exact allow-list of the (module, name) pairs DCP's metadata consists of
 (:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Saves are
-synchronous (collective).
+collective; ``save(step, asynchronous=True)`` returns once every rank has staged its state
+(``dcp.async_save``: a copy in host memory) and writes, gathers the digests and commits in
+the background over a process group of its own (gloo), so training's collectives never
+interleave with the save's; the next save, ``wait()`` or ``load()`` waits for it.
 
 Modules and optimizers registered as they are go through
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import pickle
 import threading
@@ -35,6 +39,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -65,6 +70,8 @@ from flexrun.train.options import CheckpointOptions
 from flexrun.train.progress import install_stack_dump
 from flexrun.train.serialize import load_weights_only
 from flexrun.train.state import capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
 
 _METADATA = ".metadata"
 
@@ -324,6 +331,45 @@ def _dcp_error(exc: BaseException) -> str:
     return str(exc)
 
 
+class PendingSave:
+    """An asynchronous sharded save: staged, being written and committed in the background."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.stall_s = 0.0
+        """How long ``save`` held training: the state's staging, collectively."""
+        self._done = threading.Event()
+        self._error: str | None = None
+
+    def _finish(self, error: str | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether it has committed or failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until committed (collective ranks each wait for their own part).
+
+        Raises:
+            CheckpointError: it failed (the previous checkpoint is intact), or ``timeout``
+                passed first.
+        """
+        if not self._done.wait(timeout):
+            raise CheckpointError(f"the save of step {self.step} is still under way")
+        if self._error is not None:
+            raise CheckpointError(self._error)
+
+
+@contextmanager
+def _suppress_checkpoint_error() -> Generator[None, None, None]:
+    try:
+        yield
+    except CheckpointError as exc:
+        log.warning("could not discard a failed save: %s", exc)
+
+
 def _base(path: Any) -> str:
     return os.path.basename(str(os.fspath(path)).rstrip("/"))
 
@@ -355,6 +401,8 @@ class ShardedCheckpointer(RankZero):
         self._proto = open_commit(directory, storage_options=self._storage_options)
         self._clock = clock
         self._objects: dict[str, Stateful] = {}
+        self._pending: PendingSave | None = None
+        self._save_group: Any = None
         self._verified = VerifiedCache()
         self._setup_events(events)
         error, self._generation = None, self._ctx.round
@@ -414,13 +462,50 @@ class ShardedCheckpointer(RankZero):
         writer.fs = hashing
         return writer, hashing
 
-    def save(self, step: int, *, extra: dict[str, Any] | None = None) -> None:
-        """Write every rank's shards and commit ``step``. Collective and synchronous.
+    def wait(self) -> None:
+        """Until the asynchronous save under way (if any) has committed.
 
         Raises:
-            CheckpointError: any rank failed to write, or the commit failed; the previous
-                checkpoint is intact.
+            CheckpointError: it failed; the checkpoint before it is intact.
         """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _group(self) -> Any:
+        """The asynchronous saves' own gloo group (created once, collectively)."""
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        return self._save_group
+
+    def _gather_in(self, group: Any, obj: Any) -> list[Any]:
+        if not self._distributed():
+            return [obj]
+        out: list[Any] = [None] * self._ctx.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def _broadcast_in(self, group: Any, obj: Any) -> Any:
+        if not self._distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def save(
+        self, step: int, *, extra: dict[str, Any] | None = None, asynchronous: bool = False
+    ) -> PendingSave | None:
+        """Write every rank's shards and commit ``step``. Collective.
+
+        With ``asynchronous``, return once every rank's state is staged (copied to host
+        memory) and write and commit in the background: the returned :class:`PendingSave`
+        (also waited for by the next ``save``, ``wait()`` and ``load()``) says when.
+
+        Raises:
+            CheckpointError: any rank failed to write, or the commit failed (asynchronous:
+                a failure to begin or stage); the previous checkpoint is intact.
+        """
+        self.wait()
         t0 = self._clock.monotonic()
         objects = self._state_objects()
         staged, error = None, None
@@ -433,6 +518,8 @@ class ShardedCheckpointer(RankZero):
         if error is not None:
             raise CheckpointError(error)
         assert staged is not None
+        if asynchronous:
+            return self._save_async(step, staged, objects, extra, t0)
         local_error, entries = None, {}
         try:
             writer, hashing = self._dcp_writer(staged)
@@ -450,6 +537,83 @@ class ShardedCheckpointer(RankZero):
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
         gathered = self._gather((local_error, entries))
+        result = self._conclude(staged, gathered, stall_s=self._clock.monotonic() - t0)
+        result = self._broadcast(result)
+        if isinstance(result, str):
+            raise CheckpointError(result)
+        return None
+
+    def _save_async(
+        self,
+        step: int,
+        staged: Staged,
+        objects: dict[str, Any],
+        extra: dict[str, Any] | None,
+        t0: float,
+    ) -> PendingSave:
+        group = self._group() if self._distributed() else None
+        pending = PendingSave(step)
+        local_error, entries, future, hashing = None, {}, None, None
+        try:
+            writer, hashing = self._dcp_writer(staged)
+            future = dcp.async_save(
+                objects, storage_writer=writer, process_group=group, no_dist=group is None
+            )
+            if self.options.save_rng:
+                rng = capture_rng()
+                name = f"rng_{self._ctx.rank}.pt"
+                entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
+            if self._ctx.is_main:
+                payload = dict(extra or {})
+                entries["extra.pt"] = self._proto.write(
+                    staged, "extra.pt", lambda f: torch.save(payload, f)
+                )
+        except (Exception, CheckpointException) as exc:
+            local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
+        # Every rank staged (or failed to): the stall ends here, for all of them at once.
+        # (Over training's group: DCP's writer thread is using the save's group by now.)
+        errors = [e for e in self._gather(local_error) if e]
+        stall = self._clock.monotonic() - t0
+        pending.stall_s = stall
+        if errors:
+            message = "sharded save failed: " + "; ".join(errors)
+            if future is not None:
+                self._settle(future)
+            if self._ctx.is_main:
+                with _suppress_checkpoint_error():
+                    self._proto.discard(staged)
+                self._emit("checkpoint_save_failed", step=step, error=message)
+            raise CheckpointError(message)
+
+        def finish() -> None:
+            err = self._settle(future)
+            files = dict(entries)
+            if hashing is not None:
+                files.update(hashing.digests)
+            local = None if err is None else f"rank {self._ctx.rank}: {err}"
+            try:
+                gathered = self._gather_in(group, (local, files))
+                result = self._conclude(staged, gathered, stall_s=stall)
+                result = self._broadcast_in(group, result)
+            except Exception as exc:  # the group itself failed (a rank died): not committed
+                result = f"error: the save of step {step} did not complete: {exc}"
+            pending._finish(result if isinstance(result, str) else None)
+
+        self._pending = pending
+        threading.Thread(target=finish, name=f"flexrun-save-{step}", daemon=True).start()
+        return pending
+
+    @staticmethod
+    def _settle(future: Any) -> str | None:
+        """Wait for DCP's background write; its error, or None."""
+        try:
+            future.result()
+        except (Exception, CheckpointException) as exc:
+            return _dcp_error(exc)
+        return None
+
+    def _conclude(self, staged: Staged, gathered: list[Any], *, stall_s: float) -> str | None:
+        """Rank 0: commit, or discard and say why (``"error: ..."``); others: None."""
         result = None
         if self._ctx.is_main:
             try:
@@ -459,18 +623,16 @@ class ShardedCheckpointer(RankZero):
                 merged: dict[str, Any] = {}
                 for _, files in gathered:
                     merged.update(files)
-                self._commit(staged, merged, stall_s=self._clock.monotonic() - t0)
+                self._commit(staged, merged, stall_s=stall_s)
             except CheckpointError as exc:
                 message = str(exc)
                 try:
                     self._proto.discard(staged)
                 except CheckpointError as cleanup:
                     message += f" (and its cleanup failed: {cleanup})"
-                self._emit("checkpoint_save_failed", step=step, error=message)
+                self._emit("checkpoint_save_failed", step=staged.step, error=message)
                 result = f"error: {message}"
-        result = self._broadcast(result)
-        if isinstance(result, str):
-            raise CheckpointError(result)
+        return result
 
     def _commit(self, staged: Staged, entries: dict[str, Any], *, stall_s: float) -> None:
         t0 = self._clock.monotonic()
@@ -512,6 +674,7 @@ class ShardedCheckpointer(RankZero):
         Raises:
             CheckpointError: checkpoints exist but none verifies, or DCP failed to load.
         """
+        self.wait()
         t0 = self._clock.monotonic()
         objects = self._state_objects()
         chosen, failure, skipped, info = None, None, [], None

@@ -3,7 +3,8 @@ registered as they are with ShardedCheckpointer, trained from the newest checkpo
 any) up to a step, saving at the steps named; rank 0 writes the full model and optimizer
 state at the end so runs can be compared bitwise.
 
-Usage: fsdp2_worker.py ROOT STOP SAVE_STEPS(comma list, may be empty) OUT_FILE
+Usage: fsdp2_worker.py ROOT STOP SAVE_STEPS(comma list, may be empty) OUT_FILE [async]
+(``async``: the saves are asynchronous and training goes on while they are written).
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ def _full(v: object) -> object:
 def main() -> None:
     root, stop, save_arg, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     saves = {int(s) for s in save_arg.split(",") if s}
+    asynchronous = sys.argv[5:] == ["async"]
     ctx = ft.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -53,7 +53,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         if step + 1 in saves:
-            ck.save(step + 1)
+            ck.save(step + 1, asynchronous=asynchronous)
+    ck.wait()
     full = StateDictOptions(full_state_dict=True)
     params = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
     optim = get_optimizer_state_dict(model, opt, options=full)

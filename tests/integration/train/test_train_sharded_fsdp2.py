@@ -32,13 +32,18 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill9_and_resume_ends_bitwise_like_the_uninterrupted_run(
-    launcher: Launcher, tmp_path: Path
+    launcher: Launcher, tmp_path: Path, mode: str
 ) -> None:
     ref = _run(launcher, 2, tmp_path / "ref", 6, "", tmp_path / "ref.pt")
     root = tmp_path / "ck"
-    # Runs on past step 3 until killed; the resume starts from the committed step 3.
-    first = launcher.start(2, [str(root), "1000000", "3", str(tmp_path / "x.pt")], script=WORKER)
+    # Runs on past step 3 until killed (async: training goes on while step 3 is written);
+    # the resume starts from the committed step 3.
+    args = [str(root), "1000000", "3", str(tmp_path / "x.pt")] + (
+        ["async"] if mode == "async" else []
+    )
+    first = launcher.start(2, args, script=WORKER)
     wait_until(lambda: (root / "step_3" / "manifest.json").exists(), 180, "step 3 committed")
     first.kill(signal.SIGKILL)
     got = _run(launcher, 2, root, 6, "", tmp_path / "resumed.pt")

@@ -116,7 +116,9 @@ def test_raw_optimizer_over_two_modules_restores_its_state_in_a_fresh_process(
     assert torch.equal(enc2.weight, enc.weight) and torch.equal(dec2.bias, dec.bias)
     assert len(opt2.state) == len(opt.state) == 4
     for p, p2 in zip(
-        [*enc.parameters(), *dec.parameters()], [*enc2.parameters(), *dec2.parameters()]
+        [*enc.parameters(), *dec.parameters()],
+        [*enc2.parameters(), *dec2.parameters()],
+        strict=True,
     ):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], opt2.state[p2][key]), key
@@ -131,3 +133,40 @@ def test_optimizer_of_an_unregistered_module_is_refused(tmp_path: Path) -> None:
     assert c.steps() == []
     with pytest.raises(CheckpointError, match="steps parameters of no registered module"):
         c.load()
+
+
+def test_an_asynchronous_save_holds_the_state_of_when_it_was_called(tmp_path: Path) -> None:
+    c, m = _ck(tmp_path)
+    want = m.weight.detach().clone()
+    pending = c.save(4, asynchronous=True, extra={"k": 2})
+    assert pending is not None and pending.stall_s >= 0
+    with torch.no_grad():
+        m.weight.add_(1.0)  # training goes on while the save is written
+    pending.wait(timeout=60)
+    assert pending.done() and c.steps() == [4]
+    with torch.no_grad():
+        m.weight.zero_()
+    loaded = c.load()
+    assert loaded is not None and loaded.step == 4 and loaded.extra == {"k": 2}
+    assert torch.equal(m.weight, want)
+
+
+def test_an_asynchronous_save_that_cannot_stage_commits_nothing_and_says_so(
+    tmp_path: Path,
+) -> None:
+    c, _ = _ck(tmp_path)
+    c.save(1)
+    c.register("bad", _Unpicklable())  # its state cannot be copied (staged)
+    with pytest.raises(CheckpointError, match="sharded save failed: rank 0: .*pickle"):
+        c.save(2, asynchronous=True)
+    c.wait()  # (nothing under way)
+    assert c.steps() == [1]
+    assert not list(tmp_path.glob(".tmp-step_2*"))
+
+
+class _Unpicklable:
+    def state_dict(self) -> dict[str, object]:
+        return {"lock": __import__("threading").Lock()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        pass
