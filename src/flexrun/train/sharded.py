@@ -10,11 +10,13 @@ object store the manifest written last is the commit point). Loading verifies on
 and refuses code execution: DCP's own reader unpickles ``.metadata`` with plain
 ``pickle`` and non-tensor items with ``weights_only=False``; here metadata goes through
 an exact allow-list of the (module, name) pairs DCP's metadata consists of
-(:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Saves are
+(:data:`~flexrun.train.dcp_io.METADATA_GLOBALS`) and non-tensor items through
+``weights_only=True`` (the plumbing is :mod:`flexrun.train.dcp_io`). Saves are
 collective; ``save(step, asynchronous=True)`` returns once every rank has staged its state
 (``dcp.async_save``: a copy in host memory) and writes, gathers the digests and commits in
 the background over a process group of its own (gloo), so training's collectives never
-interleave with the save's; the next save, ``wait()`` or ``load()`` waits for it.
+interleave with the save's (:mod:`flexrun.train.sharded_async`); the next save, ``wait()``
+or ``load()`` waits for it.
 
 Modules and optimizers registered as they are go through
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
@@ -28,29 +30,14 @@ would drop it silently).
 
 from __future__ import annotations
 
-import hashlib
-import io
-import logging
 import os
-import pickle
-import threading
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
@@ -65,313 +52,28 @@ from flexrun.train.checkpoint import (
 from flexrun.train.commit import RenameCommit
 from flexrun.train.commit_object import ObjectCommit, open_commit
 from flexrun.train.context import TrainContext, current, single_process_context
+from flexrun.train.dcp_io import (
+    _METADATA,
+    METADATA_GLOBALS,
+    _dcp_error,
+    _fsspec_module,
+    _fsspec_reader,
+    _HashingFS,
+    _ModuleState,
+    _OptimizerState,
+    _owner,
+    _SafePlanner,
+    _SafeReader,
+    read_safe_metadata,
+)
 from flexrun.train.layout import Staged, VerifiedCache, prune, step_dir_name, verify
 from flexrun.train.options import CheckpointOptions
 from flexrun.train.progress import install_stack_dump
 from flexrun.train.serialize import load_weights_only
+from flexrun.train.sharded_async import PendingSave, save_async
 from flexrun.train.state import capture_rng, restore_rng
 
-log = logging.getLogger(__name__)
-
-_METADATA = ".metadata"
-
-METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-    }
-    | {(("torch", n)) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
-)
-"""Every global DCP's ``.metadata`` may name, exactly: what torch 2.13 writes for models
-with optimizer state (Adam, SGD, AdamW), DTensor shards and non-tensor items (the classes
-of ``torch.distributed.checkpoint.metadata``, the file reader's ``_StorageInfo``, tensor
-sizes, dtypes and layouts, a checkpoint id path). No dotted names, no other module."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing every global outside :data:`METADATA_GLOBALS`."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in METADATA_GLOBALS:
-            raise pickle.UnpicklingError(f"refused global {module}.{name} in checkpoint metadata")
-        return super().find_class(module, name)
-
-
-def read_safe_metadata(blob: bytes) -> Metadata:
-    """Parse DCP metadata without running code.
-
-    Raises:
-        CheckpointError: it names a global outside the allow-list or is not metadata.
-    """
-    try:
-        meta = _MetadataUnpickler(io.BytesIO(blob)).load()
-    except Exception as exc:  # UnpicklingError, AttributeError, EOFError ...
-        raise CheckpointError(f"DCP metadata refused: {exc}") from exc
-    if not isinstance(meta, Metadata):
-        raise CheckpointError(f"DCP metadata is a {type(meta).__name__}, not Metadata")
-    return meta
-
-
-class _SafeMetadata:
-    """A DCP reader mixin: ``.metadata`` through the allow-list, never plain pickle."""
-
-    fs: Any
-    path: Any
-    load_id: Any
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self.fs.concat_path(self.path, _METADATA), "rb") as fh:
-            meta = read_safe_metadata(fh.read())
-        storage_meta = meta.storage_meta or StorageMeta()
-        storage_meta.load_id = self.load_id
-        meta.storage_meta = storage_meta
-        return meta
-
-
-class _SafeReader(_SafeMetadata, FileSystemReader):
-    pass
-
-
-def _fsspec_module() -> Any:
-    """torch's fsspec storage for DCP: public from torch 2.15, private before (2.15
-    deprecates the private name)."""
-    try:
-        import torch.distributed.checkpoint.fsspec_filesystem as public  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        import torch.distributed.checkpoint._fsspec_filesystem as private
-
-        return private
-    return public
-
-
-def _fsspec_reader(url: str, options: Mapping[str, Any]) -> Any:
-    reader: Any = _fsspec_module().FsspecReader
-
-    class _SafeFsspecReader(_SafeMetadata, reader):
-        pass
-
-    return _SafeFsspecReader(url, **dict(options))
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    """Loads non-tensor items with ``weights_only=True``, and refuses a checkpoint holding
-    keys under the registered names that the objects' state dicts do not ask for."""
-
-    def __init__(self, names: frozenset[str] = frozenset()) -> None:
-        super().__init__()
-        self._names = names
-
-    def set_up_planner(
-        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
-    ) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        if metadata is None:
-            return
-        wanted = set(self.state_dict)
-        dropped = sorted(
-            k
-            for k in metadata.state_dict_metadata
-            if k not in wanted and k.split(".", 1)[0] in self._names
-        )
-        if dropped:
-            shown = ", ".join(dropped[:5]) + (
-                f" (+{len(dropped) - 5} more)" if len(dropped) > 5 else ""
-            )
-            raise CheckpointError(
-                f"the checkpoint holds state the registered objects do not take, which would "
-                f"be dropped: {shown}"
-            )
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-class _HashingStream:
-    """A write stream that hashes and counts what DCP writes through it."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sha256.update(view)
-        self._raw.write(view)
-        self.size += len(view)
-        return len(view)
-
-    def tell(self) -> int:
-        return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return int(self._raw.fileno())
-
-    def close(self) -> None:
-        self._raw.close()
-
-
-class _HashingFS:
-    """Wraps a DCP ``FileSystem``: records (size, sha256) of every file written, by name."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()
-        self.digests: dict[str, dict[str, Any]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
-        with self._inner.create_stream(path, mode) as raw:
-            if "r" in mode:
-                yield raw
-                return
-            stream = _HashingStream(raw)
-            yield stream
-        with self._lock:
-            self.digests[_base(path)] = {"size": stream.size, "sha256": stream.sha256.hexdigest()}
-
-    def rename(self, path: Any, new_path: Any) -> None:
-        self._inner.rename(path, new_path)
-        with self._lock:
-            if _base(path) in self.digests:
-                self.digests[_base(new_path)] = self.digests.pop(_base(path))
-
-
-class _ModuleState:
-    """A registered ``nn.Module`` through ``get_model_state_dict``/``set_model_state_dict``."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.module)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.module, state)
-
-
-class _OptimizerState:
-    """A registered optimizer through ``get_optimizer_state_dict``/``set_optimizer_state_dict``
-    against the module holding its parameters: its state is created before DCP loads into
-    it, so nothing of the checkpoint is skipped."""
-
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.module, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.module, self.optimizer, state)
-
-
-def _owner(
-    name: str, optimizer: torch.optim.Optimizer, modules: dict[str, torch.nn.Module]
-) -> torch.nn.Module:
-    """The registered module (or, across several, a ``ModuleDict`` of them by name) whose
-    parameters include every parameter ``optimizer`` steps.
-
-    Raises:
-        CheckpointError: some parameter belongs to no registered module.
-    """
-    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    holders = {n: m for n, m in modules.items() if params & {id(p) for p in m.parameters()}}
-    covered: set[int] = set()
-    for m in holders.values():
-        covered |= {id(p) for p in m.parameters()}
-    if not holders or not params <= covered:
-        raise CheckpointError(
-            f"optimizer {name!r} steps parameters of no registered module: register the "
-            f"module(s) it trains too (their state is saved by name, and the optimizer's "
-            f"state is keyed by their parameter names)"
-        )
-    if len(holders) == 1:
-        return next(iter(holders.values()))
-    return torch.nn.ModuleDict(holders)
-
-
-def _dcp_error(exc: BaseException) -> str:
-    """One line per failed rank for DCP's ``CheckpointException`` (a ``BaseException``
-    whose text is every rank's traceback), the exception's text otherwise."""
-    if isinstance(exc, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(inner).__name__}: {inner}"
-            for rank, (inner, _) in sorted(exc.failures.items())
-        )
-    return str(exc)
-
-
-class PendingSave:
-    """An asynchronous sharded save: staged, being written and committed in the background."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.stall_s = 0.0
-        """How long ``save`` held training: the state's staging, collectively."""
-        self._done = threading.Event()
-        self._error: str | None = None
-
-    def _finish(self, error: str | None) -> None:
-        self._error = error
-        self._done.set()
-
-    def done(self) -> bool:
-        """Whether it has committed or failed."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Until committed (collective ranks each wait for their own part).
-
-        Raises:
-            CheckpointError: it failed (the previous checkpoint is intact), or ``timeout``
-                passed first.
-        """
-        if not self._done.wait(timeout):
-            raise CheckpointError(f"the save of step {self.step} is still under way")
-        if self._error is not None:
-            raise CheckpointError(self._error)
-
-
-@contextmanager
-def _suppress_checkpoint_error() -> Generator[None, None, None]:
-    try:
-        yield
-    except CheckpointError as exc:
-        log.warning("could not discard a failed save: %s", exc)
-
-
-def _base(path: Any) -> str:
-    return os.path.basename(str(os.fspath(path)).rstrip("/"))
+__all__ = ["METADATA_GLOBALS", "PendingSave", "ShardedCheckpointer", "read_safe_metadata"]
 
 
 class ShardedCheckpointer(RankZero):
@@ -389,7 +91,7 @@ class ShardedCheckpointer(RankZero):
         **option_kwargs: Any,
     ) -> None:
         """Same arguments as :class:`flexrun.train.Checkpointer`; of the options only
-        ``keep_last``, ``keep_every`` and ``save_rng`` apply (saves are synchronous).
+        ``keep_last``, ``keep_every`` and ``save_rng`` apply.
 
         Raises:
             CheckpointError: unusable directory, bad retention, or this round is fenced.
@@ -478,20 +180,6 @@ class ShardedCheckpointer(RankZero):
             self._save_group = dist.new_group(backend="gloo")
         return self._save_group
 
-    def _gather_in(self, group: Any, obj: Any) -> list[Any]:
-        if not self._distributed():
-            return [obj]
-        out: list[Any] = [None] * self._ctx.world_size
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    def _broadcast_in(self, group: Any, obj: Any) -> Any:
-        if not self._distributed():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
     def save(
         self, step: int, *, extra: dict[str, Any] | None = None, asynchronous: bool = False
     ) -> PendingSave | None:
@@ -519,21 +207,14 @@ class ShardedCheckpointer(RankZero):
             raise CheckpointError(error)
         assert staged is not None
         if asynchronous:
-            return self._save_async(step, staged, objects, extra, t0)
+            self._pending = save_async(self, step, staged, objects, extra, t0)
+            return self._pending
         local_error, entries = None, {}
         try:
             writer, hashing = self._dcp_writer(staged)
             dcp.save(objects, storage_writer=writer)
             entries.update(hashing.digests)
-            if self.options.save_rng:
-                rng = capture_rng()
-                name = f"rng_{self._ctx.rank}.pt"
-                entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
-            if self._ctx.is_main:
-                payload = dict(extra or {})
-                entries["extra.pt"] = self._proto.write(
-                    staged, "extra.pt", lambda f: torch.save(payload, f)
-                )
+            entries.update(self._write_small(staged, extra))
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
         gathered = self._gather((local_error, entries))
@@ -543,74 +224,19 @@ class ShardedCheckpointer(RankZero):
             raise CheckpointError(result)
         return None
 
-    def _save_async(
-        self,
-        step: int,
-        staged: Staged,
-        objects: dict[str, Any],
-        extra: dict[str, Any] | None,
-        t0: float,
-    ) -> PendingSave:
-        group = self._group() if self._distributed() else None
-        pending = PendingSave(step)
-        local_error, entries, future, hashing = None, {}, None, None
-        try:
-            writer, hashing = self._dcp_writer(staged)
-            future = dcp.async_save(
-                objects, storage_writer=writer, process_group=group, no_dist=group is None
+    def _write_small(self, staged: Staged, extra: dict[str, Any] | None) -> dict[str, Any]:
+        """This rank's RNG state (with ``save_rng``) and rank 0's ``extra``: their entries."""
+        entries: dict[str, Any] = {}
+        if self.options.save_rng:
+            rng = capture_rng()
+            name = f"rng_{self._ctx.rank}.pt"
+            entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
+        if self._ctx.is_main:
+            payload = dict(extra or {})
+            entries["extra.pt"] = self._proto.write(
+                staged, "extra.pt", lambda f: torch.save(payload, f)
             )
-            if self.options.save_rng:
-                rng = capture_rng()
-                name = f"rng_{self._ctx.rank}.pt"
-                entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
-            if self._ctx.is_main:
-                payload = dict(extra or {})
-                entries["extra.pt"] = self._proto.write(
-                    staged, "extra.pt", lambda f: torch.save(payload, f)
-                )
-        except (Exception, CheckpointException) as exc:
-            local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
-        # Every rank staged (or failed to): the stall ends here, for all of them at once.
-        # (Over training's group: DCP's writer thread is using the save's group by now.)
-        errors = [e for e in self._gather(local_error) if e]
-        stall = self._clock.monotonic() - t0
-        pending.stall_s = stall
-        if errors:
-            message = "sharded save failed: " + "; ".join(errors)
-            if future is not None:
-                self._settle(future)
-            if self._ctx.is_main:
-                with _suppress_checkpoint_error():
-                    self._proto.discard(staged)
-                self._emit("checkpoint_save_failed", step=step, error=message)
-            raise CheckpointError(message)
-
-        def finish() -> None:
-            err = self._settle(future)
-            files = dict(entries)
-            if hashing is not None:
-                files.update(hashing.digests)
-            local = None if err is None else f"rank {self._ctx.rank}: {err}"
-            try:
-                gathered = self._gather_in(group, (local, files))
-                result = self._conclude(staged, gathered, stall_s=stall)
-                result = self._broadcast_in(group, result)
-            except Exception as exc:  # the group itself failed (a rank died): not committed
-                result = f"error: the save of step {step} did not complete: {exc}"
-            pending._finish(result if isinstance(result, str) else None)
-
-        self._pending = pending
-        threading.Thread(target=finish, name=f"flexrun-save-{step}", daemon=True).start()
-        return pending
-
-    @staticmethod
-    def _settle(future: Any) -> str | None:
-        """Wait for DCP's background write; its error, or None."""
-        try:
-            future.result()
-        except (Exception, CheckpointException) as exc:
-            return _dcp_error(exc)
-        return None
+        return entries
 
     def _conclude(self, staged: Staged, gathered: list[Any], *, stall_s: float) -> str | None:
         """Rank 0: commit, or discard and say why (``"error: ..."``); others: None."""
