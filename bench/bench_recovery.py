@@ -13,6 +13,8 @@ store off: docs/user/running.md):
    * torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (so that it works);
    * with ``--torchrun-default``, torchrun with default settings, counting failures and
      hangs (hard timeout ``--default-timeout`` per trial).
+   * with ``--libs a,b`` (a library's script: the workload imports them at start), the
+     columns are flexrun restart mode with and without ``--spare-preload a,b``, and torchrun.
 
    The kill comes once every rank has completed ``--warm-steps`` steps and, for flexrun,
    once every warm spare is ready (``<run-dir>/logs/spares/spare-*.ready``).
@@ -258,7 +260,9 @@ def poll(
     return None
 
 
-def workload_args(d: Path, progress: Path, step_time: float, live: bool = False) -> list[str]:
+def workload_args(
+    d: Path, progress: Path, step_time: float, live: bool = False, libs: str = ""
+) -> list[str]:
     if live:
         return [
             str(LIVE_WORKLOAD),
@@ -281,7 +285,7 @@ def workload_args(d: Path, progress: Path, step_time: float, live: bool = False)
         "5",
         "--progress",
         str(progress),
-    ]
+    ] + (["--import-libs", libs] if libs else [])
 
 
 # --------------------------------------------------------------------------- recovery
@@ -361,7 +365,7 @@ def recovery_trial(
         ]
         if launcher.spares is not None:
             cmd += ["--warm-spares", str(launcher.spares)]
-    cmd += workload_args(d, progress, a.step_time, live=live)
+    cmd += workload_args(d, progress, a.step_time, live=live, libs=a.libs)
     t_start = time.monotonic()
     deadline = t_start + launcher.timeout
     agent = procs.start("agent", cmd, launcher.env)
@@ -967,6 +971,13 @@ def main() -> int:
         help="burst with --burst-spares: ready spares the first kill waits for (default 4: one "
         "restart's worth; the whole pool for a job that has run a while)",
     )
+    ap.add_argument(
+        "--libs",
+        default="",
+        help="kill -9 with a library's script: the restart-mode workload imports these modules "
+        "at start (e.g. transformers,lightning); columns: flexrun restart with and without "
+        "--spare-preload of them, torchrun",
+    )
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-scaleup", action="store_true")
@@ -1064,6 +1075,16 @@ def bench_recovery(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         "torchrun (SHARE_RDZV_TCP_STORE off)", "torchrun", dict(SHARE_OFF), timeout=a.trial_timeout
     )
     launchers = [restart, live1, live0, torch_ok]
+    preload = restart
+    if a.libs:
+        # A library's script: what its imports cost a restart, with and without preloading.
+        preload = Launcher(
+            "flexrun restart (warm pool, --spare-preload)",
+            "restart",
+            {"PET_SPARE_PRELOAD": a.libs},
+            timeout=a.trial_timeout,
+        )
+        launchers = [restart, preload, torch_ok]
     tdef = None
     if a.torchrun_default:
         tdef = Launcher("torchrun (default settings)", "torchrun", timeout=a.default_timeout)
@@ -1151,8 +1172,11 @@ def bench_recovery(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         )
 
     verdict(restart, 0.6)  # issue 2
-    verdict(live1, 0.2, max_steps=1)  # issue 5
-    verdict(live0, 0.2, max_steps=1)  # issue 5
+    if a.libs:
+        verdict(preload, 0.3)  # issue 36: a library's script recovers as a torch-only one
+    else:
+        verdict(live1, 0.2, max_steps=1)  # issue 5
+        verdict(live0, 0.2, max_steps=1)  # issue 5
     sf = [o.spawn for o in results[restart.name] if o.ok and o.spawn is not None]
     st = [o.spawn for o in results[torch_ok.name] if o.ok and o.spawn is not None]
     if sf and st:

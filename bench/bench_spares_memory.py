@@ -6,8 +6,9 @@ its processes used (the zygote's included), and each spare's memory from
 ``/proc/PID/smaps_rollup`` (RSS, PSS, USS = private pages), the pool's total PSS; for the
 fork server, also how long a refill of all of them takes once they were taken. Idle
 spares only: a forked spare that becomes a worker makes private the pages it writes.
+With ``--preload a,b`` it measures pools without and with ``--spare-preload a,b``.
 
-    python bench/bench_spares_memory.py [--spares 4]
+    python bench/bench_spares_memory.py [--spares 4] [--preload transformers,lightning]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from flexrun.spares.pool import WarmPool
+from flexrun.spares.protocol import PRELOAD_ENV
 
 
 def cpu_s(pid: int) -> float:
@@ -36,8 +38,11 @@ def memory_mib(pid: int) -> dict[str, float]:
     return {"rss": kb["Rss"] / 1024, "pss": kb["Pss"] / 1024, "uss": uss / 1024}
 
 
-def measure(n: int, fork: bool, root: Path) -> list[str]:
-    pool = WarmPool(n, os.environ, root, fork_server=fork, max_booting=n)
+def measure(n: int, fork: bool, root: Path, preload: str = "") -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}
+    if preload:
+        env[PRELOAD_ENV] = preload
+    pool = WarmPool(n, env, root, fork_server=fork, max_booting=n)
     try:
         t0 = time.monotonic()
         while True:
@@ -54,6 +59,7 @@ def measure(n: int, fork: bool, root: Path) -> list[str]:
         avg = {k: sum(m[k] for m in mem) / n for k in ("rss", "pss", "uss")}
         total = sum(memory_mib(p)["pss"] for p in everyone)
         kind = "forked from a zygote" if fork else "fresh interpreters"
+        kind += f", preloading {preload}" if preload else ""
         out = [
             f"{kind}: {n} spares ready in {wall:.2f} s, {sum(cpu_s(p) for p in everyone):.2f} s "
             f"of CPU; per spare RSS {avg['rss']:.0f} MiB, PSS {avg['pss']:.0f}, USS "
@@ -82,12 +88,15 @@ def measure(n: int, fork: bool, root: Path) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spares", type=int, default=4)
+    ap.add_argument("--preload", default="", help="also measure with these modules preloaded")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flexrun-spares-mem-"))
     try:
-        for fork in (False, True):
-            for line in measure(a.spares, fork, work / ("fork" if fork else "fresh")):
-                print(line, flush=True)
+        for preload in [""] + ([a.preload] if a.preload else []):
+            for fork in (False, True):
+                root = work / f"{'fork' if fork else 'fresh'}{'-pre' if preload else ''}"
+                for line in measure(a.spares, fork, root, preload):
+                    print(line, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -340,6 +340,21 @@ def add_flexrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
         help="directory of this node's `flexrun spares`: take warm interpreters from it first; "
         "None: off",
     )
+    o.value(
+        "--accelerate-config",
+        default=None,
+        help="an `accelerate config` file: the workers get the ACCELERATE_*/FSDP_* variables "
+        "`accelerate launch --config_file FILE` would give them (computed by the workers' "
+        "accelerate); None: none",
+    )
+    o.value(
+        "--spare-preload",
+        default=None,
+        help="comma-separated modules the warm spares import before they are needed (e.g. "
+        "transformers,accelerate,lightning), so a restart does not pay for them; imported "
+        "by name only, never the script; a module that initialises CUDA on import cannot "
+        "be preloaded. None: torch and flexrun only",
+    )
 
 
 def add_run_parser(

@@ -37,6 +37,8 @@ FLEXRUN_ONLY = {
     "resource_interval",
     "warm_spares",
     "spares_dir",
+    "spare_preload",
+    "accelerate_config",
 }
 SAMPLES = ["0", "1", "7", "-1", "2.5", "nan", "x", "a,b", "a,,b", "", "1:4", "SIGUSR1"]
 

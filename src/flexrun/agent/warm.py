@@ -14,15 +14,25 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from flexrun.agent.spec import without_secrets
 from flexrun.config import RunConfig
 from flexrun.spares.pool import WarmPool
+from flexrun.spares.protocol import PRELOAD_ENV
 
 
 def spares_fit(config: RunConfig) -> bool:
     """Whether a spare (this interpreter) can be one of the job's workers."""
     return os.path.abspath(config.python_exec) == os.path.abspath(sys.executable)
+
+
+def _spare_env(config: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the modules the spares pre-import (``--spare-preload``), if any."""
+    out = dict(env)
+    if config.spare_preload:
+        out[PRELOAD_ENV] = ",".join(config.spare_preload)
+    return out
 
 
 def restart_pool(config: RunConfig) -> WarmPool | None:
@@ -37,7 +47,7 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
     log_root = config.log_dir or (config.run_dir / "logs")
     return WarmPool(
         config.warm_spares,
-        without_secrets(config.environ),
+        _spare_env(config, without_secrets(config.environ)),
         log_root / "spares",
         node=config.spares_dir,
         # (A restart needs a spare per local worker: beyond that, refill in batches.)
@@ -65,5 +75,9 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     # Refill by fork from one warm zygote, as restart mode: a replacement's fresh `import
     # torch` (seconds of CPU) competed with the survivors' training after every failure.
     return WarmPool(
-        config.warm_spares, env, log_root / "spares", node=config.spares_dir, fork_server=True
+        config.warm_spares,
+        _spare_env(config, env),
+        log_root / "spares",
+        node=config.spares_dir,
+        fork_server=True,
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 from flexrun.config import netaddr, numa, plugins
 from flexrun.config.backends import ALIASES, BACKENDS, backend_named
+from flexrun.config.accelerate import accelerate_env
 from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
@@ -69,6 +70,15 @@ def _std(text: str | None, flag: str) -> StdStreams:
 MAX_COUNT = 1_000_000_000
 """The largest count a flag takes (restarts, ranks, ports, spares): beyond it a number is
 a typo, and one past a float's range broke the readers of the events it was logged in."""
+
+
+def _modules(value: object, flag: str) -> tuple[str, ...]:
+    """Comma-separated dotted module names (``transformers,lightning.pytorch``)."""
+    names = tuple(n.strip() for n in str(value or "").split(",") if n.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"{flag} {name!r}: not a module name (comma-separated a.b.c)")
+    return names
 
 
 def _int(value: object, flag: str, *, low: int = 0) -> int:
@@ -237,6 +247,13 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         # (Live workers sign too: the agent gives them the secret as a file,
         # FLEXRUN_JOB_SECRET_FILE, read by flexrun.store.factory.connect_from_env.)
         store = replace(store, secret=generated_secret())
+    accelerate = (
+        accelerate_env(
+            a["accelerate_config"], environ.get("PYTHON_EXEC") or sys.executable, environ
+        )
+        if a.get("accelerate_config")
+        else {}
+    )
     spares_raw = a["warm_spares"]
     spares = (
         _int(spares_raw, "--warm-spares")
@@ -307,10 +324,12 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         store=store,
         rendezvous=rdzv,
         # torchrun exports it to its own environment, so every worker inherits it.
-        environ=dict(environ, TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(signals)),
+        # (--accelerate-config: what `accelerate launch` would export, over the caller's.)
+        environ={**environ, **accelerate, "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signals)},
         mode=mode,
         warm_spares=spares,
         spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,
+        spare_preload=_modules(a.get("spare_preload"), "--spare-preload"),
         metrics_port=_port_or_none(a.get("metrics_port"), "--metrics-port"),
         metrics_host=str(a.get("metrics_host") or "127.0.0.1"),
         hang_timeout_s=parse_duration(a["hang_timeout"], "--hang-timeout"),

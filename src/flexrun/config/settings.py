@@ -276,6 +276,9 @@ class RunConfig:
     """Live mode: idle worker processes kept ready (torch imported) to replace a dead one."""
     spares_dir: Path | None = None
     """The node's ``flexrun spares`` directory: spares are taken from it first (None: off)."""
+    spare_preload: tuple[str, ...] = ()
+    """Modules this run's spares import before they are ready (``--spare-preload``), so a
+    replacement worker finds the script's libraries imported; none by default."""
     hang_timeout_s: float = 60.0
     """The least silence after which a rank is hung (its stacks are captured and it is
     treated as failed); the limit is calibrated from the rank's observed steps

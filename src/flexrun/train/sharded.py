@@ -10,27 +10,36 @@ object store the manifest written last is the commit point). Loading verifies on
 and refuses code execution: DCP's own reader unpickles ``.metadata`` with plain
 ``pickle`` and non-tensor items with ``weights_only=False``; here metadata goes through
 an exact allow-list of the (module, name) pairs DCP's metadata consists of
-(:data:`METADATA_GLOBALS`) and non-tensor items through ``weights_only=True``. Every file the
+(:data:`~flexrun.train.dcp_io.METADATA_GLOBALS`) and non-tensor items through
+``weights_only=True`` (the plumbing is :mod:`flexrun.train.dcp_io`). Every file the
 metadata names must be one plain name the manifest lists, so nothing outside the
-checkpoint is ever opened. Saves are synchronous (collective).
+checkpoint is ever opened. Saves are
+collective; ``save(step, asynchronous=True)`` returns once every rank has staged its state
+(``dcp.async_save``: a copy in host memory) and writes, gathers the digests and commits in
+the background over a process group of its own (gloo), so training's collectives never
+interleave with the save's (:mod:`flexrun.train.sharded_async`); the next save, ``wait()``
+or ``load()`` waits for it.
+
+Modules and optimizers registered as they are go through
+``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``get_optimizer_state_dict`` and their ``set_`` halves), so an optimizer whose state is not
+yet created (a fresh process) is initialised before DCP loads into it and FSDP2 / DTensor
+parameters are keyed by their fully qualified names; an optimizer is saved against the
+registered module(s) holding its parameters, and refused if none does. A load refuses a
+checkpoint holding state under a registered name that the object does not take (DCP itself
+would drop it silently).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
-import pickle
-import threading
-from collections.abc import Collection, Generator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
@@ -45,211 +54,28 @@ from flexrun.train.checkpoint import (
 from flexrun.train.commit import RenameCommit
 from flexrun.train.commit_object import ObjectCommit, open_commit
 from flexrun.train.context import TrainContext, current, single_process_context
-from flexrun.train.layout import (
-    Staged,
-    VerifiedCache,
-    prune,
-    safe_name,
-    step_dir_name,
-    verify,
+from flexrun.train.dcp_io import (
+    _METADATA,
+    METADATA_GLOBALS,
+    _dcp_error,
+    _fsspec_module,
+    _fsspec_reader,
+    _HashingFS,
+    _ModuleState,
+    _OptimizerState,
+    _owner,
+    _SafePlanner,
+    _SafeReader,
+    read_safe_metadata,
 )
+from flexrun.train.layout import Staged, VerifiedCache, prune, step_dir_name, verify
 from flexrun.train.options import CheckpointOptions
 from flexrun.train.progress import install_stack_dump
 from flexrun.train.serialize import load_weights_only
+from flexrun.train.sharded_async import PendingSave, save_async
 from flexrun.train.state import capture_rng, restore_rng
 
-_METADATA = ".metadata"
-
-METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-    }
-    | {(("torch", n)) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
-)
-"""Every global DCP's ``.metadata`` may name, exactly: what torch 2.13 writes for models
-with optimizer state (Adam, SGD, AdamW), DTensor shards and non-tensor items (the classes
-of ``torch.distributed.checkpoint.metadata``, the file reader's ``_StorageInfo``, tensor
-sizes, dtypes and layouts, a checkpoint id path). No dotted names, no other module."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing every global outside :data:`METADATA_GLOBALS`."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in METADATA_GLOBALS:
-            raise pickle.UnpicklingError(f"refused global {module}.{name} in checkpoint metadata")
-        return super().find_class(module, name)
-
-
-def read_safe_metadata(blob: bytes, *, files: Collection[str] | None = None) -> Metadata:
-    """Parse DCP metadata without running code, and check every file it names.
-
-    Each storage entry's ``relative_path`` must be one plain file name (so the reader
-    opens it below the checkpoint's data directory, never an absolute or ``../`` path)
-    and, when ``files`` (the names the manifest verified) is given, one of them.
-
-    Raises:
-        CheckpointError: it names a global outside the allow-list, is not metadata, or
-            a storage entry names a path outside the checkpoint or the manifest.
-    """
-    try:
-        meta = _MetadataUnpickler(io.BytesIO(blob)).load()
-    except Exception as exc:  # UnpicklingError, AttributeError, EOFError ...
-        raise CheckpointError(f"DCP metadata refused: {exc}") from exc
-    if not isinstance(meta, Metadata):
-        raise CheckpointError(f"DCP metadata is a {type(meta).__name__}, not Metadata")
-    _check_storage_paths(meta, files)
-    return meta
-
-
-def _check_storage_paths(meta: Metadata, files: Collection[str] | None) -> None:
-    storage = meta.storage_data
-    if storage is None:
-        return
-    if not isinstance(storage, dict):
-        raise CheckpointError(f"DCP metadata storage_data is a {type(storage).__name__}")
-    for info in storage.values():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str):
-            raise CheckpointError(f"DCP metadata names a file {rel!r} that is not a string")
-        try:
-            safe_name(rel, "DCP metadata file")
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc} (a path outside the checkpoint)") from None
-        if files is not None and rel not in files:
-            raise CheckpointError(f"DCP metadata names {rel!r}, a file the manifest does not list")
-
-
-class _SafeMetadata:
-    """A DCP reader mixin: ``.metadata`` through the allow-list, never plain pickle."""
-
-    fs: Any
-    path: Any
-    load_id: Any
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self.fs.concat_path(self.path, _METADATA), "rb") as fh:
-            meta = read_safe_metadata(fh.read())  # every rank checks the paths it will open
-        storage_meta = meta.storage_meta or StorageMeta()
-        storage_meta.load_id = self.load_id
-        meta.storage_meta = storage_meta
-        return meta
-
-
-class _SafeReader(_SafeMetadata, FileSystemReader):
-    pass
-
-
-def _fsspec_module() -> Any:
-    """torch's fsspec storage for DCP: public from torch 2.15, private before (2.15
-    deprecates the private name)."""
-    try:
-        import torch.distributed.checkpoint.fsspec_filesystem as public  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        import torch.distributed.checkpoint._fsspec_filesystem as private
-
-        return private
-    return public
-
-
-def _fsspec_reader(url: str, options: Mapping[str, Any]) -> Any:
-    reader: Any = _fsspec_module().FsspecReader
-
-    class _SafeFsspecReader(_SafeMetadata, reader):
-        pass
-
-    return _SafeFsspecReader(url, **dict(options))
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-class _HashingStream:
-    """A write stream that hashes and counts what DCP writes through it."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sha256.update(view)
-        self._raw.write(view)
-        self.size += len(view)
-        return len(view)
-
-    def tell(self) -> int:
-        return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return int(self._raw.fileno())
-
-    def close(self) -> None:
-        self._raw.close()
-
-
-class _HashingFS:
-    """Wraps a DCP ``FileSystem``: records (size, sha256) of every file written, by name."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()
-        self.digests: dict[str, dict[str, Any]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
-        with self._inner.create_stream(path, mode) as raw:
-            if "r" in mode:
-                yield raw
-                return
-            stream = _HashingStream(raw)
-            yield stream
-        with self._lock:
-            self.digests[_base(path)] = {"size": stream.size, "sha256": stream.sha256.hexdigest()}
-
-    def rename(self, path: Any, new_path: Any) -> None:
-        self._inner.rename(path, new_path)
-        with self._lock:
-            if _base(path) in self.digests:
-                self.digests[_base(new_path)] = self.digests.pop(_base(path))
-
-
-def _base(path: Any) -> str:
-    return os.path.basename(str(os.fspath(path)).rstrip("/"))
+__all__ = ["METADATA_GLOBALS", "PendingSave", "ShardedCheckpointer", "read_safe_metadata"]
 
 
 class ShardedCheckpointer(RankZero):
@@ -267,7 +93,7 @@ class ShardedCheckpointer(RankZero):
         **option_kwargs: Any,
     ) -> None:
         """Same arguments as :class:`flexrun.train.Checkpointer`; of the options only
-        ``keep_last``, ``keep_every`` and ``save_rng`` apply (saves are synchronous).
+        ``keep_last``, ``keep_every`` and ``save_rng`` apply.
 
         Raises:
             CheckpointError: unusable directory, bad retention, or this round is fenced.
@@ -279,6 +105,8 @@ class ShardedCheckpointer(RankZero):
         self._proto = open_commit(directory, storage_options=self._storage_options)
         self._clock = clock
         self._objects: dict[str, Stateful] = {}
+        self._pending: PendingSave | None = None
+        self._save_group: Any = None
         self._verified = VerifiedCache()
         self._setup_events(events)
         error, self._generation = None, self._ctx.round
@@ -301,6 +129,24 @@ class ShardedCheckpointer(RankZero):
             raise CheckpointError(f"checkpoint name {name!r} is invalid or taken")
         self._objects[name] = obj
 
+    def _state_objects(self) -> dict[str, Any]:
+        """What DCP saves and loads: modules and optimizers through
+        ``torch.distributed.checkpoint.state_dict``, everything else as registered.
+
+        Raises:
+            CheckpointError: an optimizer steps parameters of no registered module.
+        """
+        modules = {n: o for n, o in self._objects.items() if isinstance(o, torch.nn.Module)}
+        out: dict[str, Any] = {}
+        for n, o in self._objects.items():
+            if isinstance(o, torch.nn.Module):
+                out[n] = _ModuleState(o)
+            elif isinstance(o, torch.optim.Optimizer):
+                out[n] = _OptimizerState(_owner(n, o, modules), o)
+            else:
+                out[n] = o
+        return out
+
     def steps(self) -> list[int]:
         """Committed (unverified) steps, ascending."""
         return self._proto.steps()
@@ -320,14 +166,38 @@ class ShardedCheckpointer(RankZero):
         writer.fs = hashing
         return writer, hashing
 
-    def save(self, step: int, *, extra: dict[str, Any] | None = None) -> None:
-        """Write every rank's shards and commit ``step``. Collective and synchronous.
+    def wait(self) -> None:
+        """Until the asynchronous save under way (if any) has committed.
 
         Raises:
-            CheckpointError: any rank failed to write, or the commit failed; the previous
-                checkpoint is intact.
+            CheckpointError: it failed; the checkpoint before it is intact.
         """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _group(self) -> Any:
+        """The asynchronous saves' own gloo group (created once, collectively)."""
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        return self._save_group
+
+    def save(
+        self, step: int, *, extra: dict[str, Any] | None = None, asynchronous: bool = False
+    ) -> PendingSave | None:
+        """Write every rank's shards and commit ``step``. Collective.
+
+        With ``asynchronous``, return once every rank's state is staged (copied to host
+        memory) and write and commit in the background: the returned :class:`PendingSave`
+        (also waited for by the next ``save``, ``wait()`` and ``load()``) says when.
+
+        Raises:
+            CheckpointError: any rank failed to write, or the commit failed (asynchronous:
+                a failure to begin or stage); the previous checkpoint is intact.
+        """
+        self.wait()
         t0 = self._clock.monotonic()
+        objects = self._state_objects()
         staged, error = None, None
         if self._ctx.is_main:
             try:
@@ -338,23 +208,40 @@ class ShardedCheckpointer(RankZero):
         if error is not None:
             raise CheckpointError(error)
         assert staged is not None
+        if asynchronous:
+            self._pending = save_async(self, step, staged, objects, extra, t0)
+            return self._pending
         local_error, entries = None, {}
         try:
             writer, hashing = self._dcp_writer(staged)
-            dcp.save(dict(self._objects), storage_writer=writer)
+            dcp.save(objects, storage_writer=writer)
             entries.update(hashing.digests)
-            if self.options.save_rng:
-                rng = capture_rng()
-                name = f"rng_{self._ctx.rank}.pt"
-                entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
-            if self._ctx.is_main:
-                payload = dict(extra or {})
-                entries["extra.pt"] = self._proto.write(
-                    staged, "extra.pt", lambda f: torch.save(payload, f)
-                )
-        except Exception as exc:  # DCP raises CheckpointException, OSError ...
-            local_error = f"rank {self._ctx.rank}: {exc}"
+            entries.update(self._write_small(staged, extra))
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
         gathered = self._gather((local_error, entries))
+        result = self._conclude(staged, gathered, stall_s=self._clock.monotonic() - t0)
+        result = self._broadcast(result)
+        if isinstance(result, str):
+            raise CheckpointError(result)
+        return None
+
+    def _write_small(self, staged: Staged, extra: dict[str, Any] | None) -> dict[str, Any]:
+        """This rank's RNG state (with ``save_rng``) and rank 0's ``extra``: their entries."""
+        entries: dict[str, Any] = {}
+        if self.options.save_rng:
+            rng = capture_rng()
+            name = f"rng_{self._ctx.rank}.pt"
+            entries[name] = self._proto.write(staged, name, lambda f: torch.save(rng, f))
+        if self._ctx.is_main:
+            payload = dict(extra or {})
+            entries["extra.pt"] = self._proto.write(
+                staged, "extra.pt", lambda f: torch.save(payload, f)
+            )
+        return entries
+
+    def _conclude(self, staged: Staged, gathered: list[Any], *, stall_s: float) -> str | None:
+        """Rank 0: commit, or discard and say why (``"error: ..."``); others: None."""
         result = None
         if self._ctx.is_main:
             try:
@@ -364,18 +251,16 @@ class ShardedCheckpointer(RankZero):
                 merged: dict[str, Any] = {}
                 for _, files in gathered:
                     merged.update(files)
-                self._commit(staged, merged, stall_s=self._clock.monotonic() - t0)
+                self._commit(staged, merged, stall_s=stall_s)
             except CheckpointError as exc:
                 message = str(exc)
                 try:
                     self._proto.discard(staged)
                 except CheckpointError as cleanup:
                     message += f" (and its cleanup failed: {cleanup})"
-                self._emit("checkpoint_save_failed", step=step, error=message)
+                self._emit("checkpoint_save_failed", step=staged.step, error=message)
                 result = f"error: {message}"
-        result = self._broadcast(result)
-        if isinstance(result, str):
-            raise CheckpointError(result)
+        return result
 
     def _commit(self, staged: Staged, entries: dict[str, Any], *, stall_s: float) -> None:
         t0 = self._clock.monotonic()
@@ -417,7 +302,9 @@ class ShardedCheckpointer(RankZero):
         Raises:
             CheckpointError: checkpoints exist but none verifies, or DCP failed to load.
         """
+        self.wait()
         t0 = self._clock.monotonic()
+        objects = self._state_objects()
         chosen, failure, skipped, info = None, None, [], None
         if self._ctx.is_main:
             candidates = sorted(self.steps(), reverse=True)
@@ -451,9 +338,9 @@ class ShardedCheckpointer(RankZero):
             else _SafeReader(path)
         )
         try:
-            dcp.load(dict(self._objects), storage_reader=reader, planner=_SafePlanner())
-        except Exception as exc:  # DCP wraps rank failures in CheckpointException
-            raise CheckpointError(f"DCP load of {path} failed: {exc}") from exc
+            dcp.load(objects, storage_reader=reader, planner=_SafePlanner(frozenset(objects)))
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise CheckpointError(f"DCP load of {path} failed: {_dcp_error(exc)}") from exc
         manifest = self._proto.read_manifest(chosen)
         rng_name = f"rng_{self._ctx.rank}.pt"
         if self.options.save_rng and rng_name in manifest.files:

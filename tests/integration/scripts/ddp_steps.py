@@ -24,7 +24,14 @@ p.add_argument("--ckpt-every", type=int, default=5)
 p.add_argument("--progress", default="")
 p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises ValueError at step 0")
 p.add_argument("--on-sigterm", default="", help="write PATH.<rank> and exit 143 on SIGTERM")
+p.add_argument(
+    "--import-libs",
+    default="",
+    help="comma-separated modules imported at start (a library's script)",
+)
 a = p.parse_args()
+for lib in filter(None, a.import_libs.split(",")):
+    __import__(lib)
 
 
 def on_sigterm(signum, frame):
