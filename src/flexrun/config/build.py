@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from flexrun.config import netaddr, numa, plugins
-from flexrun.config.backends import ALIASES, BACKENDS, backend_named
 from flexrun.config.accelerate import accelerate_env
+from flexrun.config.backends import ALIASES, BACKENDS, backend_named
 from flexrun.config.credentials import generated_secret, store_credentials
 from flexrun.config.parsing import (
     STREAMS,
