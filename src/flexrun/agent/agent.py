@@ -26,7 +26,7 @@ from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
-from flexrun.errors import AgentError, StoreUnavailable
+from flexrun.errors import AgentError, StoreError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
@@ -112,6 +112,7 @@ class Agent:
     def run(self) -> int:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
         previous = _install_signals(self.config.signal_numbers)
+        code: int | None = None
         try:
             code = self._join()
             if code is None:
@@ -134,7 +135,25 @@ class Agent:
             self._stop(0, productive=True)
             self.runner.close()
             self.rdzv.leave()
+            if code == 0:
+                self._wait_for_others_to_leave()
             _restore_signals(previous)
+
+    def _wait_for_others_to_leave(self) -> None:
+        """A static job's node rank 0 hosts the store: after a finished job it keeps it up
+        until the other nodes have left (or their keep-alives expired), so that leaving
+        first does not make them report an unreachable store on every successful run."""
+        if self.config.static is None or not self.config.store.host_store:
+            return
+        deadline = self.clock.monotonic() + self.config.rendezvous.heartbeat_timeout_s + 1.0
+        while self.clock.monotonic() < deadline:
+            try:
+                if self.rdzv.others_alive() == 0:
+                    return
+            except StoreError:
+                return  # (nothing to wait for: no one can reach it either)
+            self.clock.sleep(0.1)
+        log.debug("job finished; closing the store with other nodes still registered")
 
     def _finish(self, code: int) -> None:
         wall = self.clock.monotonic() - self._started

@@ -47,6 +47,7 @@ from flexrun.config.settings import (
     default_node_id,
     resolve_mode,
 )
+from flexrun.config.slurm import apply_slurm_defaults
 from flexrun.config.topology import Given, Shape, shape_of
 from flexrun.errors import ConfigError
 
@@ -168,6 +169,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         ConfigError: any bad value, with the flag and the fix in its message.
     """
     a: dict[str, Any] = {k: v for k, v in vars(ns).items() if k != "environ"}
+    apply_slurm_defaults(a, environ)  # (below the command line and PET_*)
     a["rdzv_id_given"] = _given(a, environ, "rdzv_id")
     raw_conf, secret, password = store_credentials(parse_kv(a["rdzv_conf"] or ""), environ)
     shape = _shape(a, environ, None)
