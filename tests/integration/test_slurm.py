@@ -60,7 +60,7 @@ def test_srun_flexrun_run_alone_trains_one_world_over_both_nodes(slurm: SlurmClu
     )
     info = slurm.wait_job(job, 180)
     out = _out(slurm)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
     lines = read_progress(tmp / "progress.jsonl")
     assert {ln["world"] for ln in lines} == {2}, lines  # one world, never two of size 1
     assert {ln["rank"] for ln in lines} == {0, 1}
@@ -106,9 +106,13 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     # the run directory keeps the interrupted run's progress files.
     killed = slurm.kill_matching(("-m flexrun run", "ddp_steps.py"))
     assert killed, "no flexrun process found to kill"
-    info = slurm.wait_job(job, 240)
+    # Slurm holds a requeued batch job back (its begin time ~2 min on): start it now.
+    requeued = slurm.wait_job(job, 60, states=("PENDING", "REQUEUED", "COMPLETED", "FAILED"))
+    assert requeued["JobState"] in ("PENDING", "REQUEUED"), (requeued, _out(slurm))
+    slurm.client(["scontrol", "update", f"jobid={job}", "starttime=now"])
+    info = slurm.wait_job(job, 180)
     out = _out(slurm)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
     assert int(info.get("Restarts", "0")) == 1, info
     lines = [ln for ln in read_progress(progress) if ln["rank"] == 0]
     pids = list(dict.fromkeys(ln["pid"] for ln in lines))

@@ -174,18 +174,19 @@ def expand_hostlist(text: str) -> list[str]:
     return [host for item in _split_top(text.strip()) for host in _expand_one(item, text)]
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm nodelist: ``scontrol show hostnames`` where it runs (it is
-    the reference), else :func:`expand_hostlist`."""
-    scontrol = shutil.which("scontrol")
+def first_host(nodelist: str, environ: Mapping[str, str]) -> str:
+    """The first host of a Slurm nodelist: ``scontrol show hostnames`` where it runs (on the
+    step's ``PATH``; it is the reference), else :func:`expand_hostlist`."""
+    scontrol = shutil.which("scontrol", path=environ.get("PATH", ""))
     if scontrol is not None:
         try:
             done = subprocess.run(
                 [scontrol, "show", "hostnames", nodelist],
                 capture_output=True,
                 text=True,
-                timeout=10,
+                timeout=5,
                 check=False,
+                env=dict(environ),
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.debug("scontrol show hostnames %s: %s; parsing it here", nodelist, exc)
@@ -245,7 +246,7 @@ def apply_slurm_defaults(a: MutableMapping[str, Any], environ: Mapping[str, str]
         fill("rdzv_id", step.run_id)  # one task: a one-host run, with the job's id
         a["slurm_filled"] = filled
         return
-    head = first_host(step.nodelist) if step.nodelist else None
+    head = first_host(step.nodelist, environ) if step.nodelist else None
     if head is None:
         raise ConfigError(
             f"Slurm step of {step.tasks} tasks without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: "
