@@ -146,16 +146,27 @@ class SlurmCluster:
             fields[key] = value
         return fields
 
-    def wait_job(self, job_id: str, timeout: float, *, states: tuple[str, ...] = ()) -> dict[str, str]:
+    def wait_job(
+        self, job_id: str, timeout: float, *, states: tuple[str, ...] = ()
+    ) -> dict[str, str]:
         """Wait until the job reaches one of ``states`` (default: any final state)."""
-        final = states or ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+        final = states or (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+        )
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job_id)
             if info.get("JobState") in final:
                 return info
             if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout}s:\n{self.logs()}")
+                raise AssertionError(
+                    f"job {job_id} still {info.get('JobState')} after {timeout}s:\n{self.logs()}"
+                )
             time.sleep(0.5)
 
     def kill_slurmd(self, name: str) -> None:
@@ -201,23 +212,27 @@ class SlurmCluster:
         while True:
             done = self.client(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
             states = dict(line.split() for line in done.stdout.splitlines() if line.strip())
-            if done.returncode == 0 and len(states) == len(self.node_ns) and all(
-                s == "idle" for s in states.values()
+            if (
+                done.returncode == 0
+                and len(states) == len(self.node_ns)
+                and all(s == "idle" for s in states.values())
             ):
                 return
             for name, p in self.daemons.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited {p.returncode}:\n{self.logs()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm nodes not idle after {timeout}s: {states}\n{self.logs()}")
+                raise RuntimeError(
+                    f"Slurm nodes not idle after {timeout}s: {states}\n{self.logs()}"
+                )
             time.sleep(0.3)
 
     def stop(self) -> None:
-        for name, p in reversed(list(self.daemons.items())):
+        for p in reversed(list(self.daemons.values())):
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
-        for name, p in reversed(list(self.daemons.items())):
+        for p in reversed(list(self.daemons.values())):
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -268,7 +283,21 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
             addr = f"{SUBNET}.{i + 2}"
             hosts.append(f"{addr} {name}")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", ctl_ns, "link", "add", f"v{name}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run(
+                "ip",
+                "-n",
+                ctl_ns,
+                "link",
+                "add",
+                f"v{name}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _run("ip", "-n", ctl_ns, "link", "set", f"v{name}", "master", "br0", "up")
             _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
@@ -285,11 +314,20 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
         socket = mdir / "munge.socket"
         munged = subprocess.Popen(
             [
-                "runuser", "-u", "munge", "--", "munged", "-F",
-                f"--socket={socket}", f"--pid-file={mdir}/munged.pid",
-                f"--seed-file={mdir}/munged.seed", f"--log-file={mdir}/munged.log",
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                "-F",
+                f"--socket={socket}",
+                f"--pid-file={mdir}/munged.pid",
+                f"--seed-file={mdir}/munged.seed",
+                f"--log-file={mdir}/munged.log",
             ],
-            stdout=subprocess.DEVNULL, stderr=(tmp / "munged.err").open("wb"), start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp / "munged.err").open("wb"),
+            start_new_session=True,
         )
         deadline = time.monotonic() + 20
         while not socket.exists():
@@ -303,8 +341,12 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
         conf = tmp / "slurm.conf"
         conf.write_text(
             _CONF.format(
-                suffix=suffix, ctl_addr=CTL_ADDR, munge_socket=socket, tmp=tmp,
-                nodes=node_lines, names=",".join(names),
+                suffix=suffix,
+                ctl_addr=CTL_ADDR,
+                munge_socket=socket,
+                tmp=tmp,
+                nodes=node_lines,
+                names=",".join(names),
             )
         )
         (tmp / "ctld-state").mkdir()
@@ -322,8 +364,11 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
             ],
         ]:
             cluster.daemons[name] = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.DEVNULL,
-                stderr=(tmp / f"{name}.err").open("wb"), start_new_session=True,
+                cmd,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=(tmp / f"{name}.err").open("wb"),
+                start_new_session=True,
             )
         cluster._wait_idle(60)
         yield cluster

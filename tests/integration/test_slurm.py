@@ -39,7 +39,9 @@ def _flexrun(*args: str) -> str:
 
 
 def _ddp(tmp: Path, *extra: str) -> str:
-    return " ".join([str(SCRIPTS / "ddp_steps.py"), "--progress", str(tmp / "progress.jsonl"), *extra])
+    return " ".join(
+        [str(SCRIPTS / "ddp_steps.py"), "--progress", str(tmp / "progress.jsonl"), *extra]
+    )
 
 
 def _batch(*lines: str) -> str:
@@ -56,7 +58,10 @@ def test_srun_flexrun_run_alone_trains_one_world_over_both_nodes(slurm: SlurmClu
     tmp = slurm.tmp
     job = slurm.sbatch(
         _batch(f"srun {_flexrun('--nproc-per-node', '1', _ddp(tmp, '--steps', '10'))}"),
-        "-N2", "--ntasks-per-node=1", f"--chdir={tmp}", f"--output={tmp}/job.out",
+        "-N2",
+        "--ntasks-per-node=1",
+        f"--chdir={tmp}",
+        f"--output={tmp}/job.out",
     )
     info = slurm.wait_job(job, 180)
     out = _out(slurm)
@@ -82,7 +87,12 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     tmp = slurm.tmp
     ckpt = tmp / "ckpt.pt"
     flexrun = _flexrun(
-        "--nproc-per-node", "1", "--max-restarts", "0", "--hang-timeout", "3",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--hang-timeout",
+        "3",
         _ddp(tmp, "--steps", "50", "--step-time", "0.2", "--ckpt", str(ckpt), "--ckpt-every", "5"),
     )
     job = slurm.sbatch(
@@ -93,8 +103,12 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
             'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ $rc != 0 ]; then exit 200; fi',
             "exit $rc",
         ),
-        "-N2", "--ntasks-per-node=1", "--requeue", f"--chdir={tmp}",
-        f"--output={tmp}/job.out", "--open-mode=append",
+        "-N2",
+        "--ntasks-per-node=1",
+        "--requeue",
+        f"--chdir={tmp}",
+        f"--output={tmp}/job.out",
+        "--open-mode=append",
     )
     progress = tmp / "progress.jsonl"
     wait_for(
@@ -130,12 +144,24 @@ def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster)
     job = slurm.sbatch(
         _batch(
             "srun --no-kill --kill-on-bad-exit=0 "
-            + _flexrun("--nnodes", "1:2", "--nproc-per-node", "1", _ddp(tmp, "--steps", "80", "--step-time", "0.2"))
+            + _flexrun(
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "1",
+                _ddp(tmp, "--steps", "80", "--step-time", "0.2"),
+            )
         ),
-        "-N2", "--ntasks-per-node=1", "--no-kill", f"--chdir={tmp}", f"--output={tmp}/job.out",
+        "-N2",
+        "--ntasks-per-node=1",
+        "--no-kill",
+        f"--chdir={tmp}",
+        f"--output={tmp}/job.out",
     )
     progress = tmp / "progress.jsonl"
-    wait_for(lambda: progress.exists() and len(read_progress(progress)) >= 20, 150, "training on 2 nodes")
+    wait_for(
+        lambda: progress.exists() and len(read_progress(progress)) >= 20, 150, "training on 2 nodes"
+    )
     assert {ln["world"] for ln in read_progress(progress)} == {2}
     killed_at = time.time()
     slurm.kill_slurmd("n2")
@@ -146,7 +172,9 @@ def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster)
     assert after and {ln["world"] for ln in after[-5:]} == {1}, lines[-10:]
     assert max(ln["step"] for ln in lines) == 79, out
     finished = [
-        e for e in read_events(tmp / "flexrun-runs" / f"slurm-{job}") if e["event"] == "job_finished"
+        e
+        for e in read_events(tmp / "flexrun-runs" / f"slurm-{job}")
+        if e["event"] == "job_finished"
     ]
     assert any(e["exit_code"] == 0 for e in finished), (finished, out)
     # With --no-kill on sbatch and srun, the survivor's exit is the step's: Slurm's
@@ -158,7 +186,11 @@ def _template(name: str, command: str) -> str:
     """``examples/slurm/<name>`` as a user copies it, for this machine: no GPUs, and the
     training command replaced by ``command``."""
     text = (EXAMPLES / name).read_text()
-    lines = [ln for ln in text.splitlines() if "--gpus-per-node" not in ln and "--cpus-per-task" not in ln]
+    lines = [
+        ln
+        for ln in text.splitlines()
+        if "--gpus-per-node" not in ln and "--cpus-per-task" not in ln
+    ]
     text = "\n".join(lines) + "\n"
     marker = "flexrun run --nproc-per-node 8 train.py --ckpt ckpt/"
     assert marker in text, f"{name} no longer has its training line"
@@ -172,7 +204,8 @@ def test_the_static_template_turns_a_time_limit_warning_into_a_checkpoint_and_a_
     tmp = slurm.tmp
     ckpt = tmp / "ckpt.pt"
     command = _flexrun(
-        "--nproc-per-node", "1",
+        "--nproc-per-node",
+        "1",
         _ddp(tmp, "--steps", "50", "--step-time", "0.2", "--ckpt", str(ckpt), "--ckpt-every", "5"),
     ).replace(f"{sys.executable} -m flexrun run ", "")
     script = _template("static.sbatch", f"{sys.executable} -m flexrun run {command}")

@@ -84,10 +84,14 @@ def test_hostlists_expand_as_slurm_does(text: str, hosts: list[str]) -> None:
     assert expand_hostlist(text) == hosts
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol (slurm-client) not installed")
+@pytest.mark.skipif(
+    shutil.which("scontrol") is None, reason="scontrol (slurm-client) not installed"
+)
 def test_the_parser_agrees_with_scontrol(tmp_path: Path) -> None:
     conf = tmp_path / "slurm.conf"
-    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=n1\nPartitionName=p Nodes=n1\n")
+    conf.write_text(
+        "ClusterName=x\nSlurmctldHost=localhost\nNodeName=n1\nPartitionName=p Nodes=n1\n"
+    )
     for text in ("n[1-3,5],gpu01", "gpu[07-10]", "rack[1-2]-n[01-02]", "a,b[2],c", "x[098-101]"):
         done = subprocess.run(
             ["scontrol", "show", "hostnames", text],

@@ -31,6 +31,7 @@ from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
+from flexrun.rendezvous.handler import others_alive
 from flexrun.rendezvous.state import FAILED, RUNNING
 from flexrun.rendezvous.static import store_host_lost
 
@@ -136,24 +137,8 @@ class Agent:
             self.runner.close()
             self.rdzv.leave()
             if code == 0:
-                self._wait_for_others_to_leave()
+                _wait_for_others_to_leave(self.config, self.rdzv, self.clock)
             _restore_signals(previous)
-
-    def _wait_for_others_to_leave(self) -> None:
-        """A static job's node rank 0 hosts the store: after a finished job it keeps it up
-        until the other nodes have left (or their keep-alives expired), so that leaving
-        first does not make them report an unreachable store on every successful run."""
-        if self.config.static is None or not self.config.store.host_store:
-            return
-        deadline = self.clock.monotonic() + self.config.rendezvous.heartbeat_timeout_s + 1.0
-        while self.clock.monotonic() < deadline:
-            try:
-                if self.rdzv.others_alive() == 0:
-                    return
-            except StoreError:
-                return  # (nothing to wait for: no one can reach it either)
-            self.clock.sleep(0.1)
-        log.debug("job finished; closing the store with other nodes still registered")
 
     def _finish(self, code: int) -> None:
         wall = self.clock.monotonic() - self._started
@@ -481,3 +466,20 @@ def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
         print("flexrun: traceback of the failing rank:\n" + tb, file=sys.stderr)
     if cause.log_dir:
         print(f"flexrun: logs: {cause.log_dir}", file=sys.stderr)
+
+
+def _wait_for_others_to_leave(config: RunConfig, rdzv: RendezvousHandler, clock: Clock) -> None:
+    """A static job's node rank 0 hosts the store: after a finished job it keeps it up
+    until the other nodes have left (or their keep-alives expired), so that leaving first
+    does not make them report an unreachable store on every successful run."""
+    if config.static is None or not config.store.host_store:
+        return
+    deadline = clock.monotonic() + config.rendezvous.heartbeat_timeout_s + 1.0
+    while clock.monotonic() < deadline:
+        try:
+            if others_alive(rdzv) == 0:
+                return
+        except StoreError:
+            return  # (nothing to wait for: no one can reach it either)
+        clock.sleep(0.1)
+    log.debug("job finished; closing the store with other nodes still registered")

@@ -119,7 +119,9 @@ def step_of(environ: Mapping[str, str]) -> SlurmStep | None:
 # -- hostlists ---------------------------------------------------------------------------------
 def _split_top(text: str) -> list[str]:
     """Split at the commas outside brackets."""
-    items, depth, cur = [], 0, []
+    items: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1

@@ -147,13 +147,6 @@ class RendezvousHandler:
         except StoreError as exc:
             log.warning("could not deregister from the store: %s", exc)
 
-    def others_alive(self) -> int:
-        """How many other nodes' keep-alives the store holds. Read only at a static job's
-        end, by the node hosting the store, which waits for the others to leave before
-        closing it (so their last writes do not meet a closed store)."""
-        mine = self.keys.heartbeat(self.me.node_id)
-        return sum(1 for key in self.store.get_prefix(self.keys.heartbeats) if key != mine)
-
     def reregister(self, now: float) -> None:
         """The store lost this node's record (it restarted): register again."""
         self.store.put(self.keys.node(self.me.node_id), self.me.encode())
@@ -362,3 +355,10 @@ class RendezvousHandler:
 
         self._rewrite(make)
 
+
+def others_alive(rdzv: RendezvousHandler) -> int:
+    """How many other nodes' keep-alives the store holds. Read only at a static job's end,
+    by the node hosting the store, which waits for the others to leave before closing it
+    (so that their last writes do not meet a closed store)."""
+    mine = rdzv.keys.heartbeat(rdzv.me.node_id)
+    return sum(1 for key in rdzv.store.get_prefix(rdzv.keys.heartbeats) if key != mine)
