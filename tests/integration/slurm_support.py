@@ -26,7 +26,19 @@ from pathlib import Path
 
 import pytest
 
-BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "munged", "ip", "nsenter")
+BINARIES = (
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "sbatch",
+    "scontrol",
+    "munged",
+    "mungekey",
+    "runuser",
+    "ip",
+    "nsenter",
+    "unshare",
+)
 SUBNET = "10.79.0"
 CTL_ADDR = f"{SUBNET}.1"
 
@@ -77,8 +89,10 @@ def missing() -> str | None:
         return f"Slurm/munge not installed (missing {', '.join(gone)}; apt: slurmctld slurmd slurm-client munge)"
     if os.geteuid() != 0:
         return "creating network namespaces for the Slurm hosts needs root"
-    if not Path("/etc/munge/munge.key").is_file():
-        return "no /etc/munge/munge.key (mungekey -c)"
+    try:
+        pwd.getpwnam("munge")
+    except KeyError:
+        return "no munge user (the munge package creates it)"
     return None
 
 
@@ -312,6 +326,11 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
         os.chown(mdir, user.pw_uid, user.pw_gid)
         mdir.chmod(0o755)
         socket = mdir / "munge.socket"
+        # The cluster's own key (not /etc/munge's): nothing outside the test is needed.
+        key = mdir / "munge.key"
+        _run("mungekey", "--create", "--force", f"--keyfile={key}")
+        os.chown(key, user.pw_uid, user.pw_gid)
+        key.chmod(0o400)
         munged = subprocess.Popen(
             [
                 "runuser",
@@ -321,6 +340,7 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
                 "munged",
                 "-F",
                 f"--socket={socket}",
+                f"--key-file={key}",
                 f"--pid-file={mdir}/munged.pid",
                 f"--seed-file={mdir}/munged.seed",
                 f"--log-file={mdir}/munged.log",
@@ -351,9 +371,9 @@ def slurm_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[SlurmCluster]:
         )
         (tmp / "ctld-state").mkdir()
         env = dict(os.environ, SLURM_CONF=str(conf))
-        for key in [k for k in env if k.startswith(("SLURM_", "PET_"))]:
-            if key != "SLURM_CONF":
-                del env[key]
+        for var in [k for k in env if k.startswith(("SLURM_", "PET_"))]:
+            if var != "SLURM_CONF":
+                del env[var]
         cluster = SlurmCluster(tmp=tmp, ctl_ns=ctl_ns, node_ns=node_ns, conf=conf, env=env)
         cluster.daemons["munged"] = munged
         for name, cmd in [
