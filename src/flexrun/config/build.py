@@ -2,7 +2,8 @@
 
 Owns the precedence rules that span several options (``--shutdown-timeout`` vs
 ``--stop-grace`` vs ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; ``--run-path`` over ``--module`` and
-``--no-python``; which ``PET_*`` were given) and the assembly; every value's syntax is in
+``--no-python``; which ``PET_*`` were given; ``SLURM_*`` below both, :mod:`flexrun.config.slurm`)
+and the assembly; every value's syntax is in
 :mod:`flexrun.config.parsing`, the job's shape in :mod:`flexrun.config.topology`, the address in
 :mod:`flexrun.config.netaddr`. The environment is the mapping the CLI captured
 (:func:`flexrun.config.process_environ`); nothing here reads ``os.environ``.

@@ -7,7 +7,7 @@ parsing of Slurm's hostlist syntax (``n[1-3,05],gpu01``). It does not decide the
 (:mod:`flexrun.config.topology` does, from the values filled in here) and reads no
 environment itself: it is given the mapping the CLI captured.
 
-The forms (docs/slurm.md):
+The forms (docs/user/slurm.md):
 
 - static (the default): ``--nnodes $SLURM_STEP_NUM_TASKS --node-rank $SLURM_PROCID
   --master-addr <first host of the step> --master-port <port from the job id>``;
