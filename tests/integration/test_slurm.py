@@ -7,7 +7,10 @@
   so its run id and run directory: the relaunch resumes from the checkpoint with no hang
   declared and no restart spent;
 - an elastic job (``--nnodes 1:2``, ``srun --no-kill``) whose second host dies (slurmd and
-  the job's processes there killed) finishes on the first, and Slurm sees the step's exit.
+  the job's processes there killed) finishes on the first and ends COMPLETED;
+- ``examples/slurm/static.sbatch`` as a user copies it: the time-limit warning (SIGTERM to
+  the batch shell, as ``--signal=B:TERM@N``) becomes the workers' stop, exit 143 and a
+  requeue that resumes from the checkpoint; a crash loop (86) ends the job, not requeued.
 
 Skipped, saying why, where Slurm/munge are not installed or namespaces cannot be made.
 """
@@ -235,3 +238,24 @@ def test_the_static_template_turns_a_time_limit_warning_into_a_checkpoint_and_a_
     events = read_events(tmp / "flexrun-runs" / f"slurm-{job}")
     assert [e for e in events if e["event"] == "preempted"], events  # the agents got the TERM
     assert not [e for e in events if e["event"] in ("hang_detected", "failure")], events
+
+
+@pytest.mark.timeout(300)
+def test_the_static_template_never_requeues_a_crash_loop(slurm: SlurmCluster) -> None:
+    tmp = slurm.tmp
+    command = " ".join(
+        [
+            f"{sys.executable} -m flexrun run --nproc-per-node 1",
+            "--max-restarts 3 --crash-loop-restarts 1",
+            _ddp(tmp, "--fail-rank", "0"),
+        ]
+    )
+    job = slurm.sbatch(
+        _template("static.sbatch", command), f"--chdir={tmp}", f"--output={tmp}/job.out"
+    )
+    info = slurm.wait_job(job, 240)
+    out = _out(slurm)
+    # NO_PROGRESS (86): the same start would fail again; the job ends, not requeued.
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "86:0", f"{info}\n{out}"
+    assert int(info.get("Restarts", "0")) == 0, info
+    assert "not requeued" in out, out
