@@ -31,7 +31,6 @@ from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
-from flexrun.rendezvous.handler import others_alive
 from flexrun.rendezvous.state import FAILED, RUNNING
 from flexrun.rendezvous.static import store_host_lost
 
@@ -113,12 +112,13 @@ class Agent:
     def run(self) -> int:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
         previous = _install_signals(self.config.signal_numbers)
-        code: int | None = None
         try:
             code = self._join()
             if code is None:
                 code = self._loop()
             self._finish(code)
+            if code == 0:
+                _wait_for_others_to_leave(self.config, self.rdzv, self.clock)
             return code
         except _Terminated as t:
             name, grace = signal.Signals(t.signum).name, self.config.stop_grace_s
@@ -136,8 +136,6 @@ class Agent:
             self._stop(0, productive=True)
             self.runner.close()
             self.rdzv.leave()
-            if code == 0:
-                _wait_for_others_to_leave(self.config, self.rdzv, self.clock)
             _restore_signals(previous)
 
     def _finish(self, code: int) -> None:
@@ -470,14 +468,17 @@ def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
 
 def _wait_for_others_to_leave(config: RunConfig, rdzv: RendezvousHandler, clock: Clock) -> None:
     """A static job's node rank 0 hosts the store: after a finished job it keeps it up
-    until the other nodes have left (or their keep-alives expired), so that leaving first
-    does not make them report an unreachable store on every successful run."""
+    until the other nodes have left (their keep-alives deleted or expired), so that leaving
+    first does not make them report an unreachable store on every successful run. (The one
+    read of other nodes' keep-alives outside the watcher, once per job.)"""
     if config.static is None or not config.store.host_store:
         return
     deadline = clock.monotonic() + config.rendezvous.heartbeat_timeout_s + 1.0
     while clock.monotonic() < deadline:
+        mine = rdzv.keys.heartbeat(rdzv.me.node_id)
         try:
-            if others_alive(rdzv) == 0:
+            beats = rdzv.store.get_prefix(rdzv.keys.heartbeats)
+            if not [key for key in beats if key != mine]:
                 return
         except StoreError:
             return  # (nothing to wait for: no one can reach it either)

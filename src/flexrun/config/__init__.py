@@ -8,8 +8,7 @@ Modules: :mod:`.settings` (the dataclasses), :mod:`.build` (flags -> RunConfig),
 :mod:`.parsing` (value syntax), :mod:`.rdzv_conf` (``--rdzv-conf`` keys), :mod:`.topology`
 (one host, elastic or static), :mod:`.netaddr` (the address peers reach), :mod:`.numa`,
 :mod:`.plugins` (torchrun's entry points), :mod:`.credentials` (job secret, etcd password,
-keep-alive defaults), :mod:`.slurm` (defaults from a Slurm step's ``SLURM_*``, below
-``PET_*``). It does not act on the configuration.
+keep-alive defaults). It does not act on the configuration.
 """
 
 from flexrun.config.credentials import (

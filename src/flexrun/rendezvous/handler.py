@@ -355,10 +355,3 @@ class RendezvousHandler:
 
         self._rewrite(make)
 
-
-def others_alive(rdzv: RendezvousHandler) -> int:
-    """How many other nodes' keep-alives the store holds. Read only at a static job's end,
-    by the node hosting the store, which waits for the others to leave before closing it
-    (so that their last writes do not meet a closed store)."""
-    mine = rdzv.keys.heartbeat(rdzv.me.node_id)
-    return sum(1 for key in rdzv.store.get_prefix(rdzv.keys.heartbeats) if key != mine)
