@@ -10,11 +10,24 @@ the old error; the console (``--tee 3``) shows only today's lines.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
-from support import Procs, free_port, node_args, read_events, wait_for
+from support import (
+    DDP_STEPS,
+    Procs,
+    descendants,
+    free_port,
+    node_args,
+    read_events,
+    read_progress,
+    wait_for,
+)
 
 from flexrun.rendezvous.state import FAILED, Keys, RoundRecord
 from flexrun.store.tcp import TcpStore
@@ -103,3 +116,41 @@ def test_the_failed_round_on_the_store_names_todays_cause(procs: Procs) -> None:
         store.close()
     assert rnd.state == FAILED and rnd.root_cause is not None, rnd
     assert rnd.root_cause.exit_code == 3 and "OLD" not in json.dumps(rnd.root_cause.to_dict())
+
+
+@pytest.mark.timeout(240)
+def test_a_relaunch_after_a_killed_run_declares_no_hang_and_spends_no_restart(
+    procs: Procs,
+) -> None:
+    """Issue 37 point 5: a run SIGKILLed mid-training (agent and workers: no teardown)
+    leaves its ``round_1/rank_0/progress`` with an old mtime and its step count; the
+    relaunch with the same rdzv id (a requeued Slurm job keeps its id) starts round 1 again
+    in the same directory. It must not read that file as its own worker's silence."""
+    progress, ckpt = procs.tmp / "progress.jsonl", procs.tmp / "ckpt.pt"
+    args = [
+        "run", "--rdzv-id", "requeued", "--nproc-per-node", "1", "--max-restarts", "0",
+        "--hang-timeout", "2",
+        str(DDP_STEPS), "--steps", "40", "--step-time", "0.2", "--progress", str(progress),
+        "--ckpt", str(ckpt), "--ckpt-every", "5",
+    ]  # fmt: skip
+    first = procs.start(args, name="first")
+    wait_for(lambda: ckpt.exists() and len(read_progress(progress)) >= 12, 150, "steps")
+    tree = [first.pid, *(p.pid for p in descendants(first.pid))]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    run_dir = procs.tmp / "flexrun-runs" / "requeued"
+    stale = run_dir / "logs" / "round_1" / "rank_0" / "progress"
+    assert stale.exists()  # what the killed run left
+    # The stale file is as old as a long outage would leave it (a requeue waits minutes).
+    os.utime(stale, (time.time() - 600, time.time() - 600))
+    relaunched_at = time.time()
+    second = procs.start(args, name="second")
+    assert procs.wait(second, 180) == 0, procs.stderr("second")
+    err = procs.stderr("second")
+    assert "no progress" not in err and "did not answer" not in err, err
+    later = [e for e in read_events(run_dir) if e["ts"] >= relaunched_at]
+    assert not [e for e in later if e["event"] in ("hang_detected", "failure")], later
+    steps = [ln["step"] for ln in read_progress(progress) if ln["ts"] >= relaunched_at]
+    assert steps[0] > 0 and steps[-1] == 39, steps  # resumed from the checkpoint

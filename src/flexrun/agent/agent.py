@@ -28,7 +28,7 @@ from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import MasterSource, RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
-from flexrun.errors import AgentError, StoreUnavailable
+from flexrun.errors import AgentError, StoreError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.recovery import RecoverySettings
@@ -124,6 +124,8 @@ class Agent:
             if code is None:
                 code = self._loop()
             self._finish(code)
+            if code == 0:
+                _wait_for_others_to_leave(self.config, self.rdzv, self.clock)
             return code
         except _Terminated as t:
             name, grace = signal.Signals(t.signum).name, self.config.stop_grace_s
@@ -485,3 +487,23 @@ def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
         print("flexrun: traceback of the failing rank:\n" + tb, file=sys.stderr)
     if cause.log_dir:
         print(f"flexrun: logs: {cause.log_dir}", file=sys.stderr)
+
+
+def _wait_for_others_to_leave(config: RunConfig, rdzv: RendezvousHandler, clock: Clock) -> None:
+    """A static job's node rank 0 hosts the store: after a finished job it keeps it up
+    until the other nodes have left (their keep-alives deleted or expired), so that leaving
+    first does not make them report an unreachable store on every successful run. (The one
+    read of other nodes' keep-alives outside the watcher, once per job.)"""
+    if config.static is None or not config.store.host_store:
+        return
+    deadline = clock.monotonic() + config.rendezvous.heartbeat_timeout_s + 1.0
+    while clock.monotonic() < deadline:
+        mine = rdzv.keys.heartbeat(rdzv.me.node_id)
+        try:
+            beats = rdzv.store.get_prefix(rdzv.keys.heartbeats)
+            if not [key for key in beats if key != mine]:
+                return
+        except StoreError:
+            return  # (nothing to wait for: no one can reach it either)
+        clock.sleep(0.1)
+    log.debug("job finished; closing the store with other nodes still registered")

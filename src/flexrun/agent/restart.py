@@ -138,6 +138,11 @@ class RestartRunner:
         paths = {}
         for env in envs:
             wdir = log_dir / f"rank_{env['RANK']}"
+            # A relaunch into a used run directory (a requeued Slurm job keeps its id, so its
+            # rdzv id and round numbers) must not read an interrupted run's progress as its
+            # own: a stale file's old mtime and steps would be judged a hang at once.
+            for stale in (wdir / "progress", wdir / "stacks.txt"):
+                stale.unlink(missing_ok=True)
             worker_hook.worker_env(env, str(wdir / "progress"), str(wdir / "stacks.txt"))
             paths[int(env["RANK"])] = wdir / "progress"
         self.progress.reset(paths)

@@ -2,7 +2,8 @@
 
 Owns the precedence rules that span several options (``--shutdown-timeout`` vs
 ``--stop-grace`` vs ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; ``--run-path`` over ``--module`` and
-``--no-python``; which ``PET_*`` were given) and the assembly; every value's syntax is in
+``--no-python``; which ``PET_*`` were given; ``SLURM_*`` below both, :mod:`flexrun.config.slurm`)
+and the assembly; every value's syntax is in
 :mod:`flexrun.config.parsing`, the job's shape in :mod:`flexrun.config.topology`, the address in
 :mod:`flexrun.config.netaddr`. The environment is the mapping the CLI captured
 (:func:`flexrun.config.process_environ`); nothing here reads ``os.environ``.
@@ -48,6 +49,7 @@ from flexrun.config.settings import (
     default_node_id,
     resolve_mode,
 )
+from flexrun.config.slurm import apply_slurm_defaults
 from flexrun.config.topology import Given, Shape, shape_of
 from flexrun.errors import ConfigError
 
@@ -189,6 +191,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         ConfigError: any bad value, with the flag and the fix in its message.
     """
     a: dict[str, Any] = {k: v for k, v in vars(ns).items() if k != "environ"}
+    apply_slurm_defaults(a, environ)  # (below the command line and PET_*)
     a["rdzv_id_given"] = _given(a, environ, "rdzv_id")
     raw_conf, secret, password = store_credentials(parse_kv(a["rdzv_conf"] or ""), environ)
     shape = _shape(a, environ, None)
