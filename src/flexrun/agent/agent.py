@@ -26,6 +26,7 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent import policy
 from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import MasterSource, RoundStart, Runner
+from flexrun.agent.uptime import Uptime
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
 from flexrun.errors import AgentError, StoreError, StoreUnavailable
@@ -54,36 +55,6 @@ class _Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-class Uptime:
-    """The productive time of this node's workers: the sum of the segments that ended
-    without a failure (a failed segment's work is lost to the restart), each counted from
-    its first observed training step (time before it, and a segment in which no step was
-    observed at all, is never productive: a job hung in ``init_process_group`` has
-    ETTR 0)."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-        self.total_s = 0.0
-        self._since: float | None = None
-        self._first_step: float | None = None
-
-    def restart(self) -> None:
-        """Workers (re)started: close the open segment as productive, open a new one."""
-        self.stop(productive=True)
-        self._since = self.clock.monotonic()
-
-    def observe(self, first_step: float | None) -> None:
-        """The runner saw the segment's first step at ``first_step`` (monotonic)."""
-        if self._since is not None and self._first_step is None and first_step is not None:
-            self._first_step = max(first_step, self._since)
-
-    def stop(self, *, productive: bool) -> None:
-        if self._since is not None and productive and self._first_step is not None:
-            self.total_s += max(self.clock.monotonic() - self._first_step, 0.0)
-        self._since = None
-        self._first_step = None
 
 
 class Agent:

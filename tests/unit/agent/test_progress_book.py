@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flexrun.agent.agent import Uptime
 from flexrun.agent.progress import HangLimits, ProgressBook
+from flexrun.agent.uptime import Uptime
 from flexrun.testing.clock import FakeClock
 
 
