@@ -51,6 +51,7 @@ from typing import Any
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import StoreTimeout, StoreUnavailable
 from flexrun.store.api import Entry
+from flexrun.store.rejects import Rejects, Sink
 from flexrun.store.tcp_reads import PrefixReads
 from flexrun.store.tcp_server import TcpStoreServer, dist, probe
 from flexrun.store.tcp_watch import (
@@ -67,6 +68,7 @@ from flexrun.store.tcp_watch import (
 )
 
 _WATCHED_KEY = "__flexrun/watched"
+_REPAIR_GAP = 16  # revisions a reset counter skips (writes in flight as it was overwritten)
 CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
 RAW_CACHE = 4096  # raw values kept for a compare-and-set without a read
 _TOMBSTONE = b"x"
@@ -83,12 +85,35 @@ def _dirs(key: str) -> list[str]:
     return [key[: i + 1] for i, ch in enumerate(key) if ch == "/"]
 
 
-def _decode(raw: bytes) -> tuple[int, float | None, bytes | None]:
-    header, _, payload = raw.partition(b"\n")
-    rev_s, _, ttl_s = header.decode().partition(" ")
-    if ttl_s == "x":
-        return int(rev_s), None, None
-    return int(rev_s), (None if ttl_s == "-" else float(ttl_s)), payload
+MAX_REVISION = (1 << 63) - 1  # TCPStore's counters are int64
+
+
+def _decode(raw: bytes) -> tuple[int, float | None, bytes | None] | None:
+    """``(revision, ttl, payload)`` of a raw value (payload None: a tombstone); None for
+    bytes that are not this encoding (anyone who reaches the server can write any)."""
+    header, sep, payload = raw.partition(b"\n")
+    rev_s, _, ttl_s = header.partition(b" ")
+    if not sep or not rev_s.isdigit() or len(rev_s) > 19 or not rev_s.isascii():
+        return None
+    rev = int(rev_s)
+    if not 0 < rev <= MAX_REVISION:
+        return None
+    if ttl_s == b"x":
+        return (rev, None, None) if not payload else None
+    if ttl_s == b"-":
+        return rev, None, payload
+    try:
+        ttl = float(ttl_s.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return (rev, ttl, payload) if 0 < ttl < float("inf") else None
+
+
+def _is_counter(raw: bytes) -> bool:
+    """Whether the server can ``add`` to ``raw`` (it drops the client otherwise)."""
+    text = raw.strip()
+    digits = text[1:] if text[:1] in (b"-", b"+") else text
+    return digits.isdigit() and digits.isascii() and -MAX_REVISION - 1 <= int(text) <= MAX_REVISION
 
 
 class TcpStore:
@@ -118,6 +143,10 @@ class TcpStore:
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
+        # key -> the last value of this encoding read under it, which stands for junk
+        # written over it since (junk: bytes that are not this encoding)
+        self._good: dict[str, bytes] = {}
+        self._rejects = Rejects("ignored a store value that is not a flexrun record", clock=clock)
         self._log = ChangeLog(self)  # revisions, the event log, watches
         self._reads = PrefixReads(self)  # get_prefix
         self._closed = False
@@ -157,8 +186,50 @@ class TcpStore:
         except RuntimeError as exc:  # DistStoreError/DistNetworkError derive from it
             raise self._broken(exc) from exc
 
+    def add_sink(self, sink: Sink) -> None:
+        """Also report the values this client ignores to ``sink`` (e.g. the event log)."""
+        self._rejects.add_sink(sink)
+
     def _next_rev(self, count: int = 1) -> int:
-        return int(self._call(self._c().add, _REV_KEY, count))
+        return self._add(_REV_KEY, count)
+
+    def _add(self, key: str, amount: int) -> int:
+        """``TCPStore.add`` of one of the counters (the revision, a ring count). The server
+        drops a client whose ``add`` meets a value that is not a number (a stranger's
+        write): such a counter is reset (:meth:`_repair`) and the ``add`` tried once more."""
+        try:
+            return int(self._call(self._c().add, key, amount))
+        except StoreUnavailable:
+            if self._closed or not self._repair(key):
+                raise
+        return int(self._call(self._c().add, key, amount))
+
+    def _repair(self, key: str) -> bool:
+        """Replace a counter the server cannot add to; False if it can (the ``add`` failed
+        for another reason). The revision counter restarts above the newest revision in the
+        event log (the revisions skipped are logged as empty events: nothing to wait for);
+        a ring count at the newest ring key of its directory."""
+        c = self._c()
+        if not self._call(c.check, [key]):
+            return False
+        raw = bytes(self._call(c.get, key))
+        if _is_counter(raw):
+            return False
+        if key == _REV_KEY:
+            logged = [k[len(_EV_PREFIX) :] for k in self._call(c.list_keys)]
+            newest = max((int(r) for r in logged if r.isdigit() and r.isascii()), default=0)
+            value = newest + _REPAIR_GAP
+            for rev in range(newest + 1, value + 1):  # (an event written since stays)
+                self._call(c.compare_set, f"{_EV_PREFIX}{rev}", b"", b"")
+        else:
+            directory = key[len(_CH_COUNT) :]
+            names = [k for k in self._call(c.list_keys) if k.startswith(_CH_PREFIX + directory)]
+            tails = (k[len(_CH_PREFIX) + len(directory) :] for k in names)
+            value = max((int(t) for t in tails if t.isdigit() and t.isascii()), default=0)
+        got = bytes(self._call(c.compare_set, key, raw, str(value).encode()))
+        if _is_counter(got):
+            self._rejects.report(key, f"counter {raw[:32]!r} is not a number: reset to {value}")
+        return _is_counter(got)
 
     def _prune(self, revs: range) -> None:
         """Drop the event keys that ``revs`` push out of the window."""
@@ -175,7 +246,7 @@ class TcpStore:
         if not dirs:
             return
         c = self._c()
-        rings = [int(self._call(c.add, f"{_CH_COUNT}{d}", 1)) for d in dirs]
+        rings = [self._add(f"{_CH_COUNT}{d}", 1) for d in dirs]
         self._call(
             c.multi_set,
             [f"{_CH_PREFIX}{d}{n}" for d, n in zip(dirs, rings, strict=True)],
@@ -234,10 +305,29 @@ class TcpStore:
         self._remember(key, raw)
         return raw
 
-    def _live(self, key: str, raw: bytes | None) -> Entry | None:
+    def _judged(self, key: str, raw: bytes | None) -> tuple[int, float | None, bytes | None] | None:
+        """What ``raw`` under ``key`` stands for: itself, or when it is junk (reported, at a
+        bounded rate), the last value of this encoding read under the key (None: none, the
+        key counts as absent): junk counts as no write at all."""
         if raw is None:
             return None
-        rev, ttl, payload = _decode(raw)
+        decoded = _decode(raw)
+        with self._seen_lock:
+            if decoded is not None:
+                if decoded[2] is None:
+                    self._good.pop(key, None)
+                else:
+                    self._good[key] = raw
+                return decoded
+            good = self._good.get(key)
+        self._rejects.report(key, "not a flexrun record")
+        return None if good is None else _decode(good)
+
+    def _live(self, key: str, raw: bytes | None) -> Entry | None:
+        decoded = self._judged(key, raw)
+        if decoded is None:
+            return None
+        rev, ttl, payload = decoded
         if payload is None:
             return None
         if ttl is not None:
@@ -303,9 +393,9 @@ class TcpStore:
         with self._seen_lock:
             cached = self._raw_cache.get(key)
         current_raw = cached
-        if cached is None or self._rev_of(cached) != expected_revision:
+        if cached is None or self._rev_of(key, cached) != expected_revision:
             current_raw = self._raw(key)
-            if self._rev_of(current_raw) != expected_revision:
+            if self._rev_of(key, current_raw) != expected_revision:
                 return False, None
         rev = self._next_rev()
         new_raw = _encode(rev, None, bytes(value))
@@ -319,17 +409,16 @@ class TcpStore:
             self._notify(rev, key if ok else "", raw=new_raw)
         return (True, Entry(bytes(value), rev)) if ok else (False, None)
 
-    @staticmethod
-    def _rev_of(raw: bytes | None) -> int:
-        """The revision a raw value stands for (0: absent or a tombstone)."""
-        if not raw:
-            return 0
-        rev, _, payload = _decode(raw)
-        return rev if payload is not None else 0
+    def _rev_of(self, key: str, raw: bytes | None) -> int:
+        """The revision a raw value under ``key`` stands for (0: absent or a tombstone;
+        junk stands for the last value read under the key: a compare-and-set expecting
+        that one's revision replaces the junk)."""
+        decoded = self._judged(key, raw)
+        return decoded[0] if decoded is not None and decoded[2] is not None else 0
 
     def delete(self, key: str) -> None:
         raw = self._raw(key)
-        if raw is None or _decode(raw)[2] is None:
+        if raw is None or (_decode(raw) or (0, None, b""))[2] is None:
             return
         rev = self._next_rev()
         tomb = f"{rev} x\n".encode()
@@ -351,6 +440,8 @@ class TcpStore:
         with self._seen_lock:
             for key in [k for k in self._raw_cache if k.startswith(prefix)]:
                 del self._raw_cache[key]
+            for key in [k for k in self._good if k.startswith(prefix)]:
+                del self._good[key]
 
     def revision(self) -> int:
         """The highest revision below which every write has landed (see
