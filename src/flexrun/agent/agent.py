@@ -26,7 +26,7 @@ from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import RoundStart, Runner
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
-from flexrun.errors import AgentError, StoreUnavailable
+from flexrun.errors import AgentError, RendezvousError, RendezvousTimeout, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
@@ -107,6 +107,7 @@ class Agent:
         self._started = clock.monotonic()
         self._outage_since: float | None = None
         self._outage_tries = 0
+        self._unreadable_since: float | None = None  # a rendezvous record failing to parse
 
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
@@ -160,6 +161,12 @@ class Agent:
                     self._follow(Exit(lost.exit_code, "job failed: node_lost", lost))
                     return lost.exit_code
                 continue
+            except RendezvousTimeout:
+                raise
+            except RendezvousError as exc:
+                self._on_unreadable(exc)
+                continue
+            self._unreadable_since = None
             if self._outage_since is not None:
                 down = self.clock.monotonic() - self._outage_since
                 log.warning("store reachable again after %.1fs", down)
@@ -346,6 +353,21 @@ class Agent:
                     return STORE_LOST
                 continue
             return None
+
+    def _on_unreadable(self, exc: RendezvousError) -> None:
+        """A rendezvous record this pass needed does not parse (a stranger's write to an
+        unauthenticated store, a corrupt store): the workers keep running and the next pass
+        reads again, after a pause. Logged and reported (``store_record_rejected``) each
+        time; re-raised once it has lasted the join timeout (nothing for this node to
+        follow for that long)."""
+        now = self.clock.monotonic()
+        if self._unreadable_since is None:
+            self._unreadable_since = now
+        log.warning("a rendezvous record does not parse (%s); reading it again", exc)
+        self.events.emit("store_record_rejected", key="rendezvous", reason=str(exc)[:200])
+        if now - self._unreadable_since >= self.config.rendezvous.join_timeout_s:
+            raise exc
+        self.clock.sleep(min(1.0, self.config.rendezvous.heartbeat_interval_s))
 
     def _on_outage(self, exc: StoreUnavailable) -> bool:
         """The store is unreachable: keep the workers (their process group is formed),
