@@ -83,6 +83,27 @@ class Uptime:
         self._first_step = None
 
 
+
+class _Unreadable:
+    """A rendezvous record a pass needed does not parse (a stranger's write to an
+    unauthenticated store, a corrupt store): the workers keep running and the next pass
+    reads again, after a pause. Logged and reported (``store_record_rejected``) each time;
+    re-raised once it has lasted the join timeout (nothing for the node to follow)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self.since: float | None = None
+
+    def seen(self, exc: RendezvousError) -> None:
+        a = self._agent
+        now = a.clock.monotonic()
+        self.since = now if self.since is None else self.since
+        log.warning("a rendezvous record does not parse (%s); reading it again", exc)
+        a.events.emit("store_record_rejected", key="rendezvous", reason=str(exc)[:200])
+        if now - self.since >= a.config.rendezvous.join_timeout_s:
+            raise exc
+        a.clock.sleep(min(1.0, a.config.rendezvous.heartbeat_interval_s))
+
 class Agent:
     """Runs this node's workers for as long as the job runs."""
 
@@ -107,7 +128,7 @@ class Agent:
         self._started = clock.monotonic()
         self._outage_since: float | None = None
         self._outage_tries = 0
-        self._unreadable_since: float | None = None  # a rendezvous record failing to parse
+        self._unreadable = _Unreadable(self)
 
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
@@ -164,9 +185,9 @@ class Agent:
             except RendezvousTimeout:
                 raise
             except RendezvousError as exc:
-                self._on_unreadable(exc)
+                self._unreadable.seen(exc)
                 continue
-            self._unreadable_since = None
+            self._unreadable.since = None
             if self._outage_since is not None:
                 down = self.clock.monotonic() - self._outage_since
                 log.warning("store reachable again after %.1fs", down)
@@ -353,21 +374,6 @@ class Agent:
                     return STORE_LOST
                 continue
             return None
-
-    def _on_unreadable(self, exc: RendezvousError) -> None:
-        """A rendezvous record this pass needed does not parse (a stranger's write to an
-        unauthenticated store, a corrupt store): the workers keep running and the next pass
-        reads again, after a pause. Logged and reported (``store_record_rejected``) each
-        time; re-raised once it has lasted the join timeout (nothing for this node to
-        follow for that long)."""
-        now = self.clock.monotonic()
-        if self._unreadable_since is None:
-            self._unreadable_since = now
-        log.warning("a rendezvous record does not parse (%s); reading it again", exc)
-        self.events.emit("store_record_rejected", key="rendezvous", reason=str(exc)[:200])
-        if now - self._unreadable_since >= self.config.rendezvous.join_timeout_s:
-            raise exc
-        self.clock.sleep(min(1.0, self.config.rendezvous.heartbeat_interval_s))
 
     def _on_outage(self, exc: StoreUnavailable) -> bool:
         """The store is unreachable: keep the workers (their process group is formed),

@@ -96,21 +96,14 @@ class RendezvousHandler:
         self._stop = threading.Event()
         self._keepalive = KeepAlive(self._beat, settings.heartbeat_interval_s, self._stop)
         self._changes = ChangeWatch(store, self._stop)
-        # Records this node ignores, reported at a bounded rate: those the store ignores
-        # (that do not verify, or are not of its encoding), those that do not parse here.
-        self._rejects = Rejects("ignored a rendezvous record", clock=clock)
-        self._rejects.add_sink(self._emit_rejected)
-        report_to(store, self._emit_rejected)
+        self.rejected = Rejects("ignored a rendezvous record", sink=self._emit, clock=clock).report
+        report_to(store, self._emit)  # (records ignored here or by the store, at a bounded rate)
 
     @property
     def stopped(self) -> bool:
         return self._stop.is_set()
 
-    def rejected(self, key: str, reason: str) -> None:
-        """A record this node ignores (it does not parse, or is a replay)."""
-        self._rejects.report(key, reason)
-
-    def _emit_rejected(self, key: str, reason: str) -> None:
+    def _emit(self, key: str, reason: str) -> None:
         self.events.emit("store_record_rejected", key=key, reason=reason)
 
     # -- membership --------------------------------------------------------------------

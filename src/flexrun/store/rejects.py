@@ -33,6 +33,7 @@ class Rejects:
         *,
         every_s: float = 60.0,
         burst: int = 20,
+        sink: Sink | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._what = what
@@ -44,7 +45,7 @@ class Rejects:
         self._window_start = -float("inf")
         self._in_window = 0
         self._suppressed = 0
-        self._sinks: list[Sink] = []
+        self._sinks: list[Sink] = [] if sink is None else [sink]
         self.count = 0  # every record reported, suppressed ones included
 
     def add_sink(self, sink: Sink) -> None:
@@ -94,6 +95,8 @@ def report_to(store: object, sink: Sink) -> None:
         add = getattr(layer, "add_sink", None)
         if callable(add):
             add(sink)
+        elif isinstance(getattr(layer, "rejects", None), Rejects):
+            layer.rejects.add_sink(sink)  # type: ignore[attr-defined]
         layer = getattr(layer, "inner", None)
 
 

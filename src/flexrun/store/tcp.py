@@ -51,7 +51,7 @@ from typing import Any
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import StoreTimeout, StoreUnavailable
 from flexrun.store.api import Entry
-from flexrun.store.rejects import Rejects, Sink
+from flexrun.store.tcp_junk import Junk, decode
 from flexrun.store.tcp_reads import PrefixReads
 from flexrun.store.tcp_server import TcpStoreServer, dist, probe
 from flexrun.store.tcp_watch import (
@@ -68,7 +68,6 @@ from flexrun.store.tcp_watch import (
 )
 
 _WATCHED_KEY = "__flexrun/watched"
-_REPAIR_GAP = 16  # revisions a reset counter skips (writes in flight as it was overwritten)
 CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
 RAW_CACHE = 4096  # raw values kept for a compare-and-set without a read
 _TOMBSTONE = b"x"
@@ -85,35 +84,7 @@ def _dirs(key: str) -> list[str]:
     return [key[: i + 1] for i, ch in enumerate(key) if ch == "/"]
 
 
-MAX_REVISION = (1 << 63) - 1  # TCPStore's counters are int64
-
-
-def _decode(raw: bytes) -> tuple[int, float | None, bytes | None] | None:
-    """``(revision, ttl, payload)`` of a raw value (payload None: a tombstone); None for
-    bytes that are not this encoding (anyone who reaches the server can write any)."""
-    header, sep, payload = raw.partition(b"\n")
-    rev_s, _, ttl_s = header.partition(b" ")
-    if not sep or not rev_s.isdigit() or len(rev_s) > 19 or not rev_s.isascii():
-        return None
-    rev = int(rev_s)
-    if not 0 < rev <= MAX_REVISION:
-        return None
-    if ttl_s == b"x":
-        return (rev, None, None) if not payload else None
-    if ttl_s == b"-":
-        return rev, None, payload
-    try:
-        ttl = float(ttl_s.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return (rev, ttl, payload) if 0 < ttl < float("inf") else None
-
-
-def _is_counter(raw: bytes) -> bool:
-    """Whether the server can ``add`` to ``raw`` (it drops the client otherwise)."""
-    text = raw.strip()
-    digits = text[1:] if text[:1] in (b"-", b"+") else text
-    return digits.isdigit() and digits.isascii() and -MAX_REVISION - 1 <= int(text) <= MAX_REVISION
+_decode = decode
 
 
 class TcpStore:
@@ -143,10 +114,8 @@ class TcpStore:
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
-        # key -> the last value of this encoding read under it, which stands for junk
-        # written over it since (junk: bytes that are not this encoding)
-        self._good: dict[str, bytes] = {}
-        self._rejects = Rejects("ignored a store value that is not a flexrun record", clock=clock)
+        self._junk = Junk(self)  # what stands for bytes that are not this encoding
+        self.rejects = self._junk.rejects  # (what it ignores: see report_to)
         self._log = ChangeLog(self)  # revisions, the event log, watches
         self._reads = PrefixReads(self)  # get_prefix
         self._closed = False
@@ -186,10 +155,6 @@ class TcpStore:
         except RuntimeError as exc:  # DistStoreError/DistNetworkError derive from it
             raise self._broken(exc) from exc
 
-    def add_sink(self, sink: Sink) -> None:
-        """Also report the values this client ignores to ``sink`` (e.g. the event log)."""
-        self._rejects.add_sink(sink)
-
     def _next_rev(self, count: int = 1) -> int:
         return self._add(_REV_KEY, count)
 
@@ -197,39 +162,13 @@ class TcpStore:
         """``TCPStore.add`` of one of the counters (the revision, a ring count). The server
         drops a client whose ``add`` meets a value that is not a number (a stranger's
         write): such a counter is reset (:meth:`_repair`) and the ``add`` tried once more."""
+        c = self._c()  # (an unreachable store raises here: nothing to repair)
         try:
-            return int(self._call(self._c().add, key, amount))
+            return int(self._call(c.add, key, amount))
         except StoreUnavailable:
-            if self._closed or not self._repair(key):
+            if self._closed or not self._junk.repair(key):
                 raise
         return int(self._call(self._c().add, key, amount))
-
-    def _repair(self, key: str) -> bool:
-        """Replace a counter the server cannot add to; False if it can (the ``add`` failed
-        for another reason). The revision counter restarts above the newest revision in the
-        event log (the revisions skipped are logged as empty events: nothing to wait for);
-        a ring count at the newest ring key of its directory."""
-        c = self._c()
-        if not self._call(c.check, [key]):
-            return False
-        raw = bytes(self._call(c.get, key))
-        if _is_counter(raw):
-            return False
-        if key == _REV_KEY:
-            logged = [k[len(_EV_PREFIX) :] for k in self._call(c.list_keys)]
-            newest = max((int(r) for r in logged if r.isdigit() and r.isascii()), default=0)
-            value = newest + _REPAIR_GAP
-            for rev in range(newest + 1, value + 1):  # (an event written since stays)
-                self._call(c.compare_set, f"{_EV_PREFIX}{rev}", b"", b"")
-        else:
-            directory = key[len(_CH_COUNT) :]
-            names = [k for k in self._call(c.list_keys) if k.startswith(_CH_PREFIX + directory)]
-            tails = (k[len(_CH_PREFIX) + len(directory) :] for k in names)
-            value = max((int(t) for t in tails if t.isdigit() and t.isascii()), default=0)
-        got = bytes(self._call(c.compare_set, key, raw, str(value).encode()))
-        if _is_counter(got):
-            self._rejects.report(key, f"counter {raw[:32]!r} is not a number: reset to {value}")
-        return _is_counter(got)
 
     def _prune(self, revs: range) -> None:
         """Drop the event keys that ``revs`` push out of the window."""
@@ -306,22 +245,7 @@ class TcpStore:
         return raw
 
     def _judged(self, key: str, raw: bytes | None) -> tuple[int, float | None, bytes | None] | None:
-        """What ``raw`` under ``key`` stands for: itself, or when it is junk (reported, at a
-        bounded rate), the last value of this encoding read under the key (None: none, the
-        key counts as absent): junk counts as no write at all."""
-        if raw is None:
-            return None
-        decoded = _decode(raw)
-        with self._seen_lock:
-            if decoded is not None:
-                if decoded[2] is None:
-                    self._good.pop(key, None)
-                else:
-                    self._good[key] = raw
-                return decoded
-            good = self._good.get(key)
-        self._rejects.report(key, "not a flexrun record")
-        return None if good is None else _decode(good)
+        return self._junk.judged(key, raw)
 
     def _live(self, key: str, raw: bytes | None) -> Entry | None:
         decoded = self._judged(key, raw)
@@ -440,8 +364,7 @@ class TcpStore:
         with self._seen_lock:
             for key in [k for k in self._raw_cache if k.startswith(prefix)]:
                 del self._raw_cache[key]
-            for key in [k for k in self._good if k.startswith(prefix)]:
-                del self._good[key]
+        self._junk.forget(prefix)
 
     def revision(self) -> int:
         """The highest revision below which every write has landed (see
