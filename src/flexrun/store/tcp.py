@@ -35,6 +35,10 @@ rang before the watcher read the counter, logged its event before the watcher sc
 log, which finds it. A prefix with no ``/`` waits on the event log itself. After the first
 wait, a watcher needs no log scan at all (wait tokens, :mod:`flexrun.store.tcp_watch`).
 
+Anyone who reaches the server can write bytes that are not this encoding, under any key
+(flexrun's own counters and change log included): what a reader makes of them, and the
+repair of a counter, is :mod:`flexrun.store.tcp_junk`; none of them raises out of a read.
+
 Keep-alive keys are judged by each reader: a key written with ``ttl_s`` is absent once
 this client has seen its revision unchanged for ``ttl_s`` seconds of its own monotonic
 clock, which needs no agreement between hosts' clocks.
