@@ -33,6 +33,7 @@ from flexrun.rendezvous import Exit, RendezvousHandler, Run, Stop
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import FAILED, RUNNING
 from flexrun.rendezvous.static import store_host_lost
+from flexrun.store.rejects import Rejects
 
 log = logging.getLogger("flexrun.agent")
 
@@ -87,19 +88,26 @@ class Uptime:
 class _Unreadable:
     """A rendezvous record a pass needed does not parse (a stranger's write to an
     unauthenticated store, a corrupt store): the workers keep running and the next pass
-    reads again, after a pause. Logged and reported (``store_record_rejected``) each time;
-    re-raised once it has lasted the join timeout (nothing for the node to follow)."""
+    reads again, after a pause. Logged and reported (``store_record_rejected``, at a bounded
+    rate); re-raised once it has lasted the join timeout (nothing for the node to follow)."""
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
         self.since: float | None = None
+        self._rejects = Rejects(
+            "a rendezvous record does not parse; reading it again",
+            sink=self._emit,
+            clock=agent.clock,
+        )
+
+    def _emit(self, key: str, reason: str) -> None:
+        self._agent.events.emit("store_record_rejected", key=key, reason=reason)
 
     def seen(self, exc: RendezvousError) -> None:
         a = self._agent
         now = a.clock.monotonic()
         self.since = now if self.since is None else self.since
-        log.warning("a rendezvous record does not parse (%s); reading it again", exc)
-        a.events.emit("store_record_rejected", key="rendezvous", reason=str(exc)[:200])
+        self._rejects.report("rendezvous", str(exc))
         if now - self.since >= a.config.rendezvous.join_timeout_s:
             raise exc
         a.clock.sleep(min(1.0, a.config.rendezvous.heartbeat_interval_s))
