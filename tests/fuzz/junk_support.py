@@ -21,12 +21,16 @@ class TcpJunk:
         import torch.distributed as dist
 
         self._c = dist.TCPStore(host, port, None, False, timedelta(seconds=10))
+        self._host, self._port = host, port
 
     def keys(self, prefix: str = "") -> list[str]:
-        return [k for k in self._c.list_keys() if k.startswith(prefix)]
+        from flexrun.store.tcp_junk import raw_keys
 
-    def put(self, key: str, value: bytes) -> None:
-        self._c.set(key, value)
+        listed = raw_keys(self._host, self._port, 10.0)  # (list_keys fails on non-UTF-8)
+        return [k for k in (b.decode("utf-8", "replace") for b in listed) if k.startswith(prefix)]
+
+    def put(self, key: str | bytes, value: bytes) -> None:
+        self._c.set(key, value)  # (a bytes key need not be UTF-8)
 
     def get(self, key: str) -> bytes | None:
         return bytes(self._c.get(key)) if self._c.check([key]) else None

@@ -4,7 +4,7 @@ Two nodes form a round (with and without a job secret); then a client without th
 overwrites keys of the job with arbitrary bytes: the round header, node records,
 keep-alives, the watcher claim, slices and member chunks, and on the tcp store its own
 bookkeeping too (the revision counter, the change log, ring counts, the watched list); on
-etcd it also adds keys that are not UTF-8 under the job's prefix. Property: every reader
+both backends it also adds keys that are not UTF-8 under the job's prefix. Property: every reader
 (the store's reads and waits, each node's rendezvous step) returns; none raises.
 """
 
@@ -92,7 +92,7 @@ def _tcp() -> Iterator[Backend]:
         return sorted(raw.keys(prefix)) + sorted(internal)
 
     try:
-        yield Backend("tcp", clients, keys, raw.put, None)
+        yield Backend("tcp", clients, keys, raw.put, lambda p: p.encode() + b"\xff\xfe-not-utf8")
     finally:
         server.close()
 

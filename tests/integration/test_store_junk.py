@@ -83,7 +83,8 @@ def _attack_tcp(endpoint: str, root: str, until: float) -> int:
         for i, key in enumerate(targets):
             raw.put(key, JUNK[(writes + i) % len(JUNK)])
         raw.put(f"{root}s/nodes/junk", b"\xff\xfe")
-        writes += len(targets) + 1
+        raw.put(root.encode() + b"s/nodes/\xff\xfe-not-utf8", b"\xff")  # (TCPStore.list_keys fails)
+        writes += len(targets) + 2
         time.sleep(0.5)
     return writes
 

@@ -361,7 +361,7 @@ class TcpStore:
         if not prefix:
             raise ValueError("delete_prefix needs a non-empty prefix")
         c = self._c()
-        for key in self._call(c.list_keys):
+        for key in self._junk.list_keys():
             if key.startswith(prefix) and not key.startswith(_INTERNAL):
                 self._call(c.delete_key, key)
         self._reads.forget(prefix)

@@ -10,8 +10,11 @@ described in :mod:`flexrun.store.tcp`.
 
 from __future__ import annotations
 
+import socket
+import struct
 from typing import TYPE_CHECKING
 
+from flexrun.errors import StoreUnavailable
 from flexrun.store.rejects import Rejects
 from flexrun.store.tcp_watch import _CH_COUNT, _CH_PREFIX, _EV_PREFIX, _REV_KEY
 
@@ -51,6 +54,43 @@ def is_counter(raw: bytes) -> bool:
     return digits.isdigit() and digits.isascii() and -MAX_REVISION - 1 <= int(text) <= MAX_REVISION
 
 
+_VALIDATE, _LIST_KEYS, _MAGIC = 0, 17, 0x3C85F7CE  # TCPStore's wire protocol (torch 2.13)
+_MAX_KEYS, _MAX_KEY = 1 << 24, 1 << 20
+
+
+def raw_keys(host: str, port: int, timeout_s: float) -> list[bytes]:
+    """Every key on the server as bytes (``TCPStore.list_keys`` raises on one that is not
+    UTF-8, which a bare client can write): one request on a connection of its own.
+
+    Raises:
+        StoreUnavailable: the server cannot be reached or answers out of protocol.
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(struct.pack("<BIB", _VALIDATE, _MAGIC, _LIST_KEYS))
+            stream = conn.makefile("rb")
+
+            def read(n: int) -> bytes:
+                data = stream.read(n)
+                if len(data) != n:
+                    raise StoreUnavailable(f"store at {host}:{port} closed a key listing")
+                return bytes(data)
+
+            (count,) = struct.unpack("<q", read(8))
+            if not 0 <= count <= _MAX_KEYS:
+                raise StoreUnavailable(f"store at {host}:{port}: a listing of {count} keys")
+            keys = []
+            for _ in range(count):
+                (size,) = struct.unpack("<Q", read(8))
+                if size > _MAX_KEY:
+                    raise StoreUnavailable(f"store at {host}:{port}: a key of {size} bytes")
+                key = read(size)
+                keys.append(key[1:] if key.startswith(b"/") else key)  # (the client's prefix)
+            return keys
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot list the keys of the store at {host}:{port}: {exc}") from exc
+
+
 class Junk:
     """One client's view of the junk under its keys."""
 
@@ -63,6 +103,24 @@ class Junk:
         self.rejects = Rejects(
             "ignored a store value that is not a flexrun record", clock=client._clock
         )
+
+    def list_keys(self) -> list[str]:
+        """``TCPStore.list_keys``; where a key is not UTF-8 (no flexrun client writes one),
+        the keys that are, from a listing of its own, and the others deleted (reported)."""
+        client = self._client
+        c = client._c()
+        try:
+            return list(client._call(c.list_keys))
+        except UnicodeDecodeError:
+            pass
+        keys = []
+        for raw in raw_keys(client.host, client.port, client._op_timeout.total_seconds()):
+            try:
+                keys.append(raw.decode())
+            except UnicodeDecodeError:
+                self.rejects.report(repr(raw[:64]), "key is not UTF-8: deleted")
+                client._call(c.delete_key, raw)
+        return keys
 
     def forget(self, prefix: str) -> None:
         """Keys under ``prefix`` were removed from the server."""
@@ -100,7 +158,7 @@ class Junk:
         if is_counter(raw):
             return False
         if key == _REV_KEY:
-            listed = self._client._call(c.list_keys)
+            listed = self.list_keys()
             logged = [k[len(_EV_PREFIX) :] for k in listed if k.startswith(_EV_PREFIX)]
             newest = max((int(r) for r in logged if r.isdigit() and r.isascii()), default=0)
             value = newest + REPAIR_GAP
@@ -109,7 +167,7 @@ class Junk:
         else:
             directory = key[len(_CH_COUNT) :]
             names = [
-                k for k in self._client._call(c.list_keys) if k.startswith(_CH_PREFIX + directory)
+                k for k in self.list_keys() if k.startswith(_CH_PREFIX + directory)
             ]
             tails = (k[len(_CH_PREFIX) + len(directory) :] for k in names)
             value = max((int(t) for t in tails if t.isdigit() and t.isascii()), default=0)
@@ -119,4 +177,4 @@ class Junk:
         return is_counter(got)
 
 
-__all__ = ["Junk", "decode", "is_counter"]
+__all__ = ["Junk", "decode", "is_counter", "raw_keys"]

@@ -127,7 +127,7 @@ class PrefixReads:
             raws = self._catch_up(prefix, (epoch, listing[1], self._values(prefix, listing[3])), at)
             if raws is not None:
                 return epoch, raws
-        keys = [k for k in self._call(c.list_keys) if not k.startswith(_INTERNAL)]
+        keys = [k for k in self._client._junk.list_keys() if not k.startswith(_INTERNAL)]
         with self._lock:
             self._listing = (epoch, at, now, keys)
         return epoch, self._values(prefix, keys)

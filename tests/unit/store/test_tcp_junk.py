@@ -93,3 +93,15 @@ def test_reports_are_rate_limited_per_key_and_overall() -> None:
     clock.advance(61)
     rejects.report("k", "junk")
     assert len(got) == 4
+
+
+def test_a_key_that_is_not_utf8_is_deleted_not_a_failed_listing(
+    pair: tuple[TcpStore, TcpJunk],
+) -> None:
+    client, raw = pair
+    client.put("job/a", b"1")
+    raw.put(b"job/\xff\xfe", b"x")
+    assert set(client.get_prefix("job/")) == {"job/a"}
+    assert [k for k in raw.keys("job/") if "\ufffd" in k] == []  # (deleted)
+    client.delete_prefix("job/")
+    assert client.get_prefix("job/") == {}
