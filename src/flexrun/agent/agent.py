@@ -26,10 +26,17 @@ from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent import policy
 from flexrun.agent.error_file import write_launcher_error_file
 from flexrun.agent.runner import MasterSource, RoundStart, Runner
+from flexrun.agent.unreadable import Unreadable
 from flexrun.agent.uptime import Uptime
 from flexrun.cause import FailureCause
 from flexrun.config import RunConfig
-from flexrun.errors import AgentError, StoreError, StoreUnavailable
+from flexrun.errors import (
+    AgentError,
+    RendezvousError,
+    RendezvousTimeout,
+    StoreError,
+    StoreUnavailable,
+)
 from flexrun.events import EventLog
 from flexrun.exitcodes import NO_PROGRESS, STORE_LOST, for_signal
 from flexrun.recovery import RecoverySettings
@@ -85,6 +92,7 @@ class Agent:
         self._started = clock.monotonic()
         self._outage_since: float | None = None
         self._outage_tries = 0
+        self._unreadable = Unreadable(self)
 
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
@@ -140,6 +148,12 @@ class Agent:
                     self._follow(Exit(lost.exit_code, "job failed: node_lost", lost))
                     return lost.exit_code
                 continue
+            except RendezvousTimeout:
+                raise
+            except RendezvousError as exc:
+                self._unreadable.seen(exc)
+                continue
+            self._unreadable.since = None
             if self._outage_since is not None:
                 down = self.clock.monotonic() - self._outage_since
                 log.warning("store reachable again after %.1fs", down)

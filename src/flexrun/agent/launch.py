@@ -27,14 +27,15 @@ from flexrun.store.factory import connect, tcp_address
 log = logging.getLogger("flexrun.agent")
 
 
-def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
+def open_store(settings: StoreSettings, *, static: bool = False) -> tuple[Store, object | None]:
     """Connect to (or host, then connect to) the configured store.
 
     Returns the client and the hosted server object (keep it referenced), if any.
 
     Raises:
         StoreUnavailable: the endpoint cannot be reached within the connect timeout.
-        ConfigError: the backend is not available in this installation.
+        ConfigError: the backend is not available in this installation; or, in a static
+            job (``static``), the store's port cannot be bound on node rank 0.
     """
     if not backend_named(settings.backend).hosted:
         return connect(settings), None  # (a server of its own)
@@ -50,10 +51,38 @@ def open_store(settings: StoreSettings) -> tuple[Store, object | None]:
             try:
                 server = TcpStoreServer("0.0.0.0", port)
                 log.info("hosting the rendezvous store on port %d", port)
-            except StoreUnavailable:
+            except StoreUnavailable as exc:
+                if static:
+                    # Only node rank 0's agent serves a static job's store: whatever
+                    # holds the port is not it (a squatter would be taken for the store).
+                    raise ConfigError(
+                        f"cannot host the job's store on port {port}: {_holder(port)} "
+                        f"listens there ({exc}); free it, or give another --master-port "
+                        f"(a static job uses the master port and the one after it)"
+                    ) from None
                 # Someone (a `flexrun store`, or another agent on this host) already serves it.
                 server = None
     return connect(settings, (host, port)), server
+
+
+def _holder(port: int) -> str:
+    """Who listens on ``port`` on this host, as far as this user may know ("a process")."""
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr[1] == port:
+                if conn.pid is None:
+                    return "a process of another user"
+                try:
+                    return f"process {conn.pid} ({psutil.Process(conn.pid).name()})"
+                except psutil.Error:
+                    return f"process {conn.pid}"
+    except (ImportError, OSError, RuntimeError):
+        return "a process"  # (psutil cannot tell here: the message names the port alone)
+    except Exception as exc:  # noqa: BLE001 (psutil.Error: not a reason to hide the port error)
+        log.debug("cannot tell who listens on port %d: %s", port, exc)
+    return "a process"
 
 
 def build_agent(
@@ -177,7 +206,7 @@ def launch(config: RunConfig) -> int:
     store: Store | None = None
     server: object | None = None
     try:
-        store, server = open_store(config.store)
+        store, server = open_store(config.store, static=config.static is not None)
         if config.metrics_port is not None:
             from flexrun.observe.metrics import serve_run_metrics
 

@@ -50,7 +50,8 @@ from flexrun.rendezvous.state import (
 )
 from flexrun.rendezvous.watcher import Watcher
 from flexrun.store.api import Entry, Store
-from flexrun.store.signed import is_signed, report_to
+from flexrun.store.rejects import report_to
+from flexrun.store.signed import is_signed
 
 log = logging.getLogger("flexrun.rendezvous")
 
@@ -88,7 +89,7 @@ class RendezvousHandler:
         self._stop = s.stop
         self._keepalive = KeepAlive(s.beat, settings.heartbeat_interval_s, self._stop)
         self._changes = s.changes
-        report_to(store, s.rejected)
+        report_to(store, s.emit_rejected)  # (the store's layers rate-limit their own)
 
     # -- the session's state, as the agent and tests read it --------------------------------
     @property

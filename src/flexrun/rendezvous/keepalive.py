@@ -59,6 +59,12 @@ class KeepAlive:
                 if not self._failing:
                     log.warning("keep-alive failed (will retry): %s", exc)
                     self._failing = True
+            except Exception:  # noqa: BLE001 (a dead keep-alive thread: a node taken for lost)
+                # Not a store failure: a bug, logged with its traceback (once until a beat
+                # succeeds again) while the node keeps beating.
+                if not self._failing:
+                    log.exception("keep-alive failed unexpectedly (will retry)")
+                    self._failing = True
 
 
 __all__ = ["BEATS_PER_S", "KeepAlive", "keepalive_defaults"]

@@ -23,6 +23,7 @@ from flexrun.events import EventLog
 from flexrun.rendezvous.changewatch import ChangeWatch
 from flexrun.rendezvous.state import Keys, MasterRecord, NodeRecord, RoundRecord
 from flexrun.store.api import Entry, Store, judges_ttl_locally
+from flexrun.store.rejects import Rejects
 
 log = logging.getLogger("flexrun.rendezvous")
 
@@ -62,12 +63,18 @@ class Session:
         self.joined_at = clock.monotonic()
         self.stop = threading.Event()
         self.changes = ChangeWatch(store, self.stop)
+        self._rejects = Rejects("ignored a rendezvous record", sink=self.emit_rejected, clock=clock)
 
     @property
     def stopped(self) -> bool:
         return self.stop.is_set()
 
     def rejected(self, key: str, reason: str) -> None:
+        """A record this node ignored: logged and reported at a bounded rate (a stranger
+        rewriting a key in a loop must not flood the event log)."""
+        self._rejects.report(key, reason)
+
+    def emit_rejected(self, key: str, reason: str) -> None:
         self.events.emit("store_record_rejected", key=key, reason=reason)
 
     # -- registration ------------------------------------------------------------------------

@@ -54,7 +54,7 @@ import base64
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -63,6 +63,7 @@ from flexrun.errors import ConfigError, StoreError
 from flexrun.store.api import Entry, Event
 from flexrun.store.etcd_http import Cluster, Transport, tls_context
 from flexrun.store.etcd_watch import Watches, event_of
+from flexrun.store.rejects import Rejects
 
 if TYPE_CHECKING:  # the store layer takes settings from above but never imports config at run time
     from flexrun.config import StoreSettings
@@ -108,6 +109,31 @@ def _watch_request(prefix: str, since_revision: int) -> dict[str, Any]:
             "start_revision": since_revision + 1,
         }
     }
+
+
+def _entry(kv: Mapping[str, Any], rejects: Rejects) -> tuple[str, Entry] | None:
+    """A key-value of etcd's answer; None (reported) for a key that is not UTF-8, which
+    no flexrun client writes: anyone who reaches etcd can, and it counts as absent."""
+    try:
+        key = _unb64(kv.get("key")).decode()
+    except (UnicodeDecodeError, ValueError):
+        rejects.report(repr(_unb64(kv.get("key"))), "key is not UTF-8")
+        return None
+    return key, Entry(_unb64(kv.get("value")), int(kv.get("mod_revision", 0)))
+
+
+def _entries(kvs: Iterable[Mapping[str, Any]], rejects: Rejects) -> dict[str, Entry]:
+    """The entries of ``kvs`` but internal keys and keys that are not text, by key."""
+    out = dict(e for e in (_entry(kv, rejects) for kv in kvs) if e is not None)
+    return {k: out[k] for k in sorted(out) if not k.startswith(_INTERNAL)}
+
+
+def _events(raw: Iterable[Mapping[str, Any]], rejects: Rejects) -> list[Event]:
+    """etcd's watch events as the api's, but internal keys and keys that are not text."""
+    events = [e for e in map(event_of, raw) if e is None or not e[0].startswith(_INTERNAL)]
+    if None in events:
+        rejects.report("?", "a watch event's key is not UTF-8")
+    return [e for e in events if e is not None]
 
 
 def options(settings: StoreSettings) -> dict[str, Any]:
@@ -202,6 +228,7 @@ class EtcdStore:
         # by the next one with only the keys modified since
         self._snapshots: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
         self._watches = Watches(clock, lambda: self._cluster.request_timeout_s)
+        self.rejects = Rejects("ignored an etcd key that is not text", clock=clock)
         self._cluster.connect(connect_timeout_s)
 
     @classmethod
@@ -229,11 +256,6 @@ class EtcdStore:
             payload["range_end"] = _b64(range_end)
         result = self._call("/kv/range", payload)
         return _rev(result), list(result.get("kvs", []))
-
-    @staticmethod
-    def _entry(kv: Mapping[str, Any]) -> tuple[str, Entry]:
-        key = _unb64(kv.get("key")).decode()
-        return key, Entry(_unb64(kv.get("value")), int(kv.get("mod_revision", 0)))
 
     # -- leases --------------------------------------------------------------------------
     def _grant(self, ttl_s: float) -> int:
@@ -275,7 +297,8 @@ class EtcdStore:
     def get_at(self, key: str) -> tuple[Entry | None, int]:
         """:meth:`get` and the revision the read saw, in one request (see the api)."""
         rev, kvs = self._range(key)
-        return (self._entry(kvs[0])[1] if kvs else None), rev
+        found = _entry(kvs[0], self.rejects) if kvs else None
+        return (found[1] if found is not None else None), rev
 
     def get_prefix(self, prefix: str) -> dict[str, Entry]:
         """Every key under ``prefix``. A repeated call asks etcd only for the keys
@@ -314,8 +337,7 @@ class EtcdStore:
                 self._snapshots[prefix] = (at, kvs_by_key)
                 if len(self._snapshots) > SNAPSHOTS:
                     del self._snapshots[next(iter(self._snapshots))]
-        out = dict(self._entry(kv) for kv in kvs_by_key.values())
-        return {k: out[k] for k in sorted(out) if not k.startswith(_INTERNAL)}
+        return _entries(kvs_by_key.values(), self.rejects)
 
     def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
         """Write; with ``ttl_s``, a repeat of the same value is a lease keep-alive (see
@@ -422,8 +444,7 @@ class EtcdStore:
         request on a connection closed after it: a watching thread keeps none idle."""
         payload = {"key": _b64(prefix or "\0"), "range_end": _b64(_range_end(prefix))}
         result = self._retry(lambda t, s: dict(t.post("/kv/range", payload, s, keep=False)))
-        out = dict(self._entry(kv) for kv in result.get("kvs", []))
-        return {k: out[k] for k in sorted(out) if not k.startswith(_INTERNAL)}, _rev(result)
+        return _entries(result.get("kvs", []), self.rejects), _rev(result)
 
     def watch_values(
         self, prefix: str, since_revision: int, timeout_s: float
@@ -438,7 +459,7 @@ class EtcdStore:
         )
         if changed and not raw:
             return None, since_revision  # compacted: the caller reads the prefix again
-        return [(k, e) for k, e in map(event_of, raw) if not k.startswith(_INTERNAL)], rev
+        return _events(raw, self.rejects), rev
 
     def close(self) -> None:
         self._cluster.close()

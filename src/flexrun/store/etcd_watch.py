@@ -93,10 +93,14 @@ def _revision_of(event: Mapping[str, Any]) -> int:
     return int(event.get("kv", {}).get("mod_revision", 0))
 
 
-def event_of(event: Mapping[str, Any]) -> Event:
-    """An etcd watch event as the api's ``(key, entry)`` (None: deleted or expired)."""
+def event_of(event: Mapping[str, Any]) -> Event | None:
+    """An etcd watch event as the api's ``(key, entry)`` (None: deleted or expired); None
+    for an event whose key is not UTF-8 (no flexrun client writes one: a stranger's)."""
     kv = event.get("kv", {})
-    key = base64.b64decode(kv.get("key") or "").decode()
+    try:
+        key = base64.b64decode(kv.get("key") or "").decode()
+    except (UnicodeDecodeError, ValueError):
+        return None
     if event.get("type") == "DELETE":
         return key, None
     return key, Entry(base64.b64decode(kv.get("value") or ""), int(kv.get("mod_revision", 0)))

@@ -2,7 +2,8 @@
 ignores what does not verify.
 
 Owns the record envelope, its verification, and what a reader does with a record that
-fails (``store_record_rejected``, once per key and reason, through :func:`report_to`). It
+fails (``store_record_rejected``, at most once a minute per key and reason, through
+:func:`report_to` and :class:`~flexrun.store.rejects.Rejects`). It
 does not know the rendezvous (round numbers are judged there) and cannot stop anyone who
 reaches the store from deleting keys or flooding it: neither a ``TCPStore`` nor an etcd
 without auth authenticates its clients. What the secret buys is that nobody without it
@@ -48,22 +49,19 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.store.api import Entry, Event, Store
+from flexrun.store.rejects import Rejects, Sink, report_to
 
 log = logging.getLogger("flexrun.store")
 
 MAGIC = b"FXS1"
 MAX_RECORD = 4 << 20  # larger values are rejected unread (the rendezvous writes < 100 KB)
 _CONTEXT = b"flexrun-record-v1"
-
-Sink = Callable[[str, str], None]
-"""Called with (key, reason) for each rejected record (once per key and reason)."""
-
 
 def tag_of(secret: bytes, key: str, seq: bytes, ttl: bytes, payload: bytes) -> bytes:
     mac = hmac.new(secret, digestmod=hashlib.sha256)
@@ -130,9 +128,7 @@ class SignedStore:
         self._known: dict[str, _Known] = {}
         self._junk_only: dict[str, int] = {}  # key -> revision of junk with nothing verified
         self._sealed: dict[str, tuple[bytes, float | None, bytes, float]] = {}
-        self._reported: set[tuple[str, str]] = set()
-        self._sinks: list[Sink] = []
-        self.rejected = 0
+        self._rejects = Rejects(clock=clock)
         # The api's optional reads, where the inner store has them (callers look them up
         # with getattr): the values they return are judged as every other read's.
         if callable(getattr(inner, "get_prefix_at", None)) and callable(
@@ -145,10 +141,14 @@ class SignedStore:
     def judges_ttl_locally(self) -> bool:
         return bool(getattr(self.inner, "judges_ttl_locally", False))
 
+    @property
+    def rejected(self) -> int:
+        """How many reads met a record that does not verify."""
+        return self._rejects.count
+
     def add_sink(self, sink: Sink) -> None:
         """Also report rejected records to ``sink`` (e.g. the event log)."""
-        with self._lock:
-            self._sinks.append(sink)
+        self._rejects.add_sink(sink)
 
     # -- writing ----------------------------------------------------------------------------
     def _seq(self) -> bytes:
@@ -218,16 +218,7 @@ class SignedStore:
 
     # -- reading ----------------------------------------------------------------------------
     def _reject(self, key: str, reason: str) -> None:
-        with self._lock:
-            self.rejected += 1
-            first = (key, reason) not in self._reported
-            if first:
-                self._reported.add((key, reason))
-            sinks = list(self._sinks)
-        if first:
-            log.warning("ignored a store record that does not verify: %s (%s)", key, reason)
-            for sink in sinks:
-                sink(key, reason)
+        self._rejects.report(key, reason)
 
     def _judge(self, key: str, raw: Entry | None) -> Entry | None:
         """What this reader takes the key to hold, given the store's entry."""
@@ -330,12 +321,6 @@ class SignedStore:
 def is_signed(store: object) -> bool:
     """Whether ``store`` authenticates its records."""
     return isinstance(store, SignedStore)
-
-
-def report_to(store: object, sink: Sink) -> None:
-    """Send ``store``'s rejected records to ``sink`` (no-op for an unsigned store)."""
-    if isinstance(store, SignedStore):
-        store.add_sink(sink)
 
 
 def write_secret_file(path: str | os.PathLike[str], secret: bytes) -> Path:

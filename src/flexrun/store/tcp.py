@@ -35,6 +35,10 @@ rang before the watcher read the counter, logged its event before the watcher sc
 log, which finds it. A prefix with no ``/`` waits on the event log itself. After the first
 wait, a watcher needs no log scan at all (wait tokens, :mod:`flexrun.store.tcp_watch`).
 
+Anyone who reaches the server can write bytes that are not this encoding, under any key
+(flexrun's own counters and change log included): what a reader makes of them, and the
+repair of a counter, is :mod:`flexrun.store.tcp_junk`; none of them raises out of a read.
+
 Keep-alive keys are judged by each reader: a key written with ``ttl_s`` is absent once
 this client has seen its revision unchanged for ``ttl_s`` seconds of its own monotonic
 clock, which needs no agreement between hosts' clocks.
@@ -51,6 +55,7 @@ from typing import Any
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import StoreTimeout, StoreUnavailable
 from flexrun.store.api import Entry
+from flexrun.store.tcp_junk import Junk, decode
 from flexrun.store.tcp_reads import PrefixReads
 from flexrun.store.tcp_server import TcpStoreServer, dist, probe
 from flexrun.store.tcp_watch import (
@@ -83,12 +88,7 @@ def _dirs(key: str) -> list[str]:
     return [key[: i + 1] for i, ch in enumerate(key) if ch == "/"]
 
 
-def _decode(raw: bytes) -> tuple[int, float | None, bytes | None]:
-    header, _, payload = raw.partition(b"\n")
-    rev_s, _, ttl_s = header.decode().partition(" ")
-    if ttl_s == "x":
-        return int(rev_s), None, None
-    return int(rev_s), (None if ttl_s == "-" else float(ttl_s)), payload
+_decode = decode
 
 
 class TcpStore:
@@ -118,6 +118,8 @@ class TcpStore:
         # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float]] = {}
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
+        self._junk = Junk(self)  # what stands for bytes that are not this encoding
+        self.rejects = self._junk.rejects  # (what it ignores: see report_to)
         self._log = ChangeLog(self)  # revisions, the event log, watches
         self._reads = PrefixReads(self)  # get_prefix
         self._closed = False
@@ -158,7 +160,19 @@ class TcpStore:
             raise self._broken(exc) from exc
 
     def _next_rev(self, count: int = 1) -> int:
-        return int(self._call(self._c().add, _REV_KEY, count))
+        return self._add(_REV_KEY, count)
+
+    def _add(self, key: str, amount: int) -> int:
+        """``TCPStore.add`` of one of the counters (the revision, a ring count). The server
+        drops a client whose ``add`` meets a value that is not a number (a stranger's
+        write): such a counter is reset (:meth:`_repair`) and the ``add`` tried once more."""
+        c = self._c()  # (an unreachable store raises here: nothing to repair)
+        try:
+            return int(self._call(c.add, key, amount))
+        except StoreUnavailable:
+            if self._closed or not self._junk.repair(key):
+                raise
+        return int(self._call(self._c().add, key, amount))
 
     def _prune(self, revs: range) -> None:
         """Drop the event keys that ``revs`` push out of the window."""
@@ -175,7 +189,7 @@ class TcpStore:
         if not dirs:
             return
         c = self._c()
-        rings = [int(self._call(c.add, f"{_CH_COUNT}{d}", 1)) for d in dirs]
+        rings = [self._add(f"{_CH_COUNT}{d}", 1) for d in dirs]
         self._call(
             c.multi_set,
             [f"{_CH_PREFIX}{d}{n}" for d, n in zip(dirs, rings, strict=True)],
@@ -234,10 +248,14 @@ class TcpStore:
         self._remember(key, raw)
         return raw
 
+    def _judged(self, key: str, raw: bytes | None) -> tuple[int, float | None, bytes | None] | None:
+        return self._junk.judged(key, raw)
+
     def _live(self, key: str, raw: bytes | None) -> Entry | None:
-        if raw is None:
+        decoded = self._judged(key, raw)
+        if decoded is None:
             return None
-        rev, ttl, payload = _decode(raw)
+        rev, ttl, payload = decoded
         if payload is None:
             return None
         if ttl is not None:
@@ -303,9 +321,9 @@ class TcpStore:
         with self._seen_lock:
             cached = self._raw_cache.get(key)
         current_raw = cached
-        if cached is None or self._rev_of(cached) != expected_revision:
+        if cached is None or self._rev_of(key, cached) != expected_revision:
             current_raw = self._raw(key)
-            if self._rev_of(current_raw) != expected_revision:
+            if self._rev_of(key, current_raw) != expected_revision:
                 return False, None
         rev = self._next_rev()
         new_raw = _encode(rev, None, bytes(value))
@@ -319,17 +337,16 @@ class TcpStore:
             self._notify(rev, key if ok else "", raw=new_raw)
         return (True, Entry(bytes(value), rev)) if ok else (False, None)
 
-    @staticmethod
-    def _rev_of(raw: bytes | None) -> int:
-        """The revision a raw value stands for (0: absent or a tombstone)."""
-        if not raw:
-            return 0
-        rev, _, payload = _decode(raw)
-        return rev if payload is not None else 0
+    def _rev_of(self, key: str, raw: bytes | None) -> int:
+        """The revision a raw value under ``key`` stands for (0: absent or a tombstone;
+        junk stands for the last value read under the key: a compare-and-set expecting
+        that one's revision replaces the junk)."""
+        decoded = self._judged(key, raw)
+        return decoded[0] if decoded is not None and decoded[2] is not None else 0
 
     def delete(self, key: str) -> None:
         raw = self._raw(key)
-        if raw is None or _decode(raw)[2] is None:
+        if raw is None or (_decode(raw) or (0, None, b""))[2] is None:
             return
         rev = self._next_rev()
         tomb = f"{rev} x\n".encode()
@@ -344,13 +361,14 @@ class TcpStore:
         if not prefix:
             raise ValueError("delete_prefix needs a non-empty prefix")
         c = self._c()
-        for key in self._call(c.list_keys):
+        for key in self._junk.list_keys():
             if key.startswith(prefix) and not key.startswith(_INTERNAL):
                 self._call(c.delete_key, key)
         self._reads.forget(prefix)
         with self._seen_lock:
             for key in [k for k in self._raw_cache if k.startswith(prefix)]:
                 del self._raw_cache[key]
+        self._junk.forget(prefix)
 
     def revision(self) -> int:
         """The highest revision below which every write has landed (see

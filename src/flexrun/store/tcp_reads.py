@@ -126,7 +126,7 @@ class PrefixReads:
             raws = self._catch_up(prefix, (epoch, listing[1], self._values(prefix, listing[3])), at)
             if raws is not None:
                 return epoch, raws
-        keys = [k for k in self._call(c.list_keys) if not k.startswith(_INTERNAL)]
+        keys = [k for k in self._client._junk.list_keys() if not k.startswith(_INTERNAL)]
         with self._lock:
             self._listing = (epoch, at, now, keys)
         return epoch, self._values(prefix, keys)
@@ -168,7 +168,10 @@ class PrefixReads:
         got = self._log._fetch_events(wanted[0] if wanted else at, names)
         if got is None or bytes(got[0]) != epoch:
             return None  # a restarted server that has been written to since
-        fetched = dict(zip(wanted, (event_key(bytes(v)) for v in got[1:]), strict=True))
+        named = [(r, event_key(bytes(v))) for r, v in zip(wanted, got[1:], strict=True)]
+        if any(key is None for _, (key, _) in named):
+            return None  # an entry that is not text (a stranger's): read everything
+        fetched = {r: (str(key), digest) for r, (key, digest) in named}
         self._keep_names(epoch, fetched, at)
         events.update(fetched)
         newest: dict[str, tuple[int, bytes | None]] = {}
@@ -180,10 +183,19 @@ class PrefixReads:
         unknown: list[str] = []
         for key, (r, digest) in newest.items():
             kept = raws.get(key)
+            rev = kept.partition(b" ")[0] if kept is not None else b""
             if digest is None or kept is None or content_digest(kept) != digest:
                 unknown.append(key)
-            elif int(kept.partition(b" ")[0]) < r:  # (a full read may hold a newer one)
+            elif not rev.isdigit():
+                unknown.append(key)  # (junk under the key: read it again)
+            elif int(rev) < r:  # (a full read may hold a newer one)
                 out[key] = f"{r} ".encode() + kept.partition(b" ")[2]
+        new = sorted(k for k in unknown if k not in raws)
+        if new and not self._call(self._c().check, new):
+            # A key the log names that is not on the server (a stranger's entry): reading
+            # it would block for the op timeout.
+            gone = {k for k in new if not self._call(self._c().check, [k])}
+            unknown = [k for k in unknown if k not in gone]
         if unknown:
             out.update(self._get_many(sorted(unknown)))
         return out

@@ -71,10 +71,15 @@ def content_digest(raw: bytes) -> bytes:
     return hashlib.blake2b(raw.partition(b" ")[2], digest_size=8).hexdigest().encode()
 
 
-def event_key(logged: bytes) -> tuple[str, bytes | None]:
-    """The key an event log entry names, and its digest (None: not given)."""
+def event_key(logged: bytes) -> tuple[str | None, bytes | None]:
+    """The key an event log entry names, and its digest (None: not given). The key is None
+    when the entry is not text (a stranger's write): the reader cannot tell which key
+    changed, and reads as if any had."""
     key, sep, digest = logged.rpartition(b"\n")
-    return (key.decode(), digest) if sep else (logged.decode(), None)
+    try:
+        return (key.decode(), digest) if sep else (logged.decode(), None)
+    except UnicodeDecodeError:
+        return None, None
 
 
 def dir_of(prefix: str) -> str:
@@ -122,11 +127,10 @@ class ChangeLog:
     def _revision(self, window: int) -> int:
         """:meth:`revision`, looking for writes in flight among the newest ``window`` (the
         precise window also skips what an earlier precise call found complete)."""
-        c = self._c()
         with self._seen_lock:
             dirs = sorted(self._watched_dirs)
-        rings = {d: int(self._call(c.add, f"{_CH_COUNT}{d}", 0)) for d in dirs}
-        current = int(self._call(c.add, _REV_KEY, 0))
+        rings = {d: self.client._add(f"{_CH_COUNT}{d}", 0) for d in dirs}
+        current = self.client._add(_REV_KEY, 0)
         precise = window >= _RECENT
         with self._seen_lock:
             if current < self._complete:
@@ -188,10 +192,9 @@ class ChangeLog:
         on; None if writers may prune the oldest meanwhile (``TCPStore.get`` of a missing
         key blocks until the op timeout: seen with 1024 agents, whose burst of writes pushed
         the event window past a reader between its check and its read)."""
-        c = self._c()
-        if int(self._call(c.add, _REV_KEY, 0)) - oldest >= EVENT_WINDOW // 2:
+        if self.client._add(_REV_KEY, 0) - oldest >= EVENT_WINDOW // 2:
             return None
-        return list(self._call(c.multi_get, names))
+        return list(self._call(self._c().multi_get, names))
 
     # -- waiting ----------------------------------------------------------------------------
     def wait_for_change(
@@ -209,9 +212,9 @@ class ChangeLog:
 
     def _wait_ring(self, channel: str, count: int, since: int, deadline: float) -> tuple[bool, int]:
         """Wait for the ring after ``count`` (read before the caller's state read)."""
-        c = self._c()
         while True:
-            ring = int(self._call(c.add, f"{_CH_COUNT}{channel}", 0))
+            ring = self.client._add(f"{_CH_COUNT}{channel}", 0)
+            c = self._c()
             if ring != count:  # rung since (or, below, a restarted server)
                 return True, self.revision()
             remaining = deadline - self._clock.monotonic()
@@ -232,16 +235,16 @@ class ChangeLog:
         """Without a token: read the event log from ``since``, then wait on the channel
         (or on the log itself for a prefix with no directory)."""
         seen = since
-        c = self._c()
         in_flight: dict[int, float] = {}
         last_ring: int | None = None
         while True:
             # Read the ring count *before* the log: a write logged after this read rings
             # a number above it, one logged before is found in the log.
-            ring = int(self._call(c.add, f"{_CH_COUNT}{channel}", 0)) if channel else 0
+            ring = self.client._add(f"{_CH_COUNT}{channel}", 0) if channel else 0
             if last_ring is not None and ring != last_ring and prefix == channel:
                 return True, self.revision()  # rung: a write under the directory
-            current = int(self._call(c.add, _REV_KEY, 0))
+            current = self.client._add(_REV_KEY, 0)
+            c = self._c()
             if current - seen > SCAN_LIMIT:
                 return True, self.revision()  # too far behind to tell: report a change
             complete = self._logged_up_to(seen + 1, current, in_flight)
@@ -254,7 +257,7 @@ class ChangeLog:
                 if got is None:
                     return True, self.revision()  # the log moved on under us: report a change
                 keys = [event_key(bytes(v))[0] for v in got]
-                if any(k and k.startswith(prefix) for k in keys):
+                if any(k is None or k.startswith(prefix) for k in keys):
                     return True, self.revision()
                 seen = complete
             remaining = deadline - self._clock.monotonic()

@@ -8,6 +8,7 @@ and keep the workers through an outage. Milliseconds per test: no processes, no 
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ from flexrun.agent.agent import Agent
 from flexrun.agent.runner import RoundStart
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings, RunConfig
-from flexrun.errors import StoreUnavailable
+from flexrun.errors import RendezvousError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, Run, Stop, Wait
 from flexrun.rendezvous.decide import Action
@@ -390,3 +391,29 @@ def test_workers_finishing_the_same_training_as_the_job_are_not_cut_short(tmp_pa
     assert agent.run() == 0
     assert clock.monotonic() - t0 < FINISH_WAIT_S / 2
     assert not runner.events  # it polled them to their end
+
+
+def _unparsable(running: int | None) -> Action:
+    raise RendezvousError("corrupt round record in the store: Expecting value")
+
+
+@pytest.mark.timeout(10)
+def test_a_record_that_does_not_parse_is_reported_and_read_again_not_an_exit(tmp_path) -> None:
+    rdzv = FakeRendezvous([Run(rnd(1, "n1")), _unparsable, _unparsable, _unparsable])
+    runner = FakeRunner([None, None, None, None, finished()])
+    agent, _ = make(tmp_path, rdzv, runner)
+    assert agent.run() == 0
+    assert runner.rounds == [1] and rdzv.closed == [1]
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    rejected = [e for e in map(json.loads, lines) if e["event"] == "store_record_rejected"]
+    assert len(rejected) == 1 and rejected[0]["key"] == "rendezvous"  # (once: rate-limited)
+
+
+@pytest.mark.timeout(10)
+def test_a_record_that_never_parses_ends_the_agent_after_the_join_timeout(tmp_path) -> None:
+    rdzv = FakeRendezvous([Run(rnd(1, "n1"))] + [_unparsable] * 1000)
+    runner = FakeRunner([None] * 1000)
+    agent, clock = make(tmp_path, rdzv, runner)
+    with pytest.raises(RendezvousError, match="corrupt round record"):
+        agent.run()
+    assert clock.monotonic() >= RendezvousSettings().join_timeout_s
