@@ -18,13 +18,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent import policy
-from flexrun.agent.error_file import write_launcher_error_file
+from flexrun.agent.failure_log import log_live_failure, report_failure
 from flexrun.agent.runner import MasterSource, RoundStart, Runner
 from flexrun.agent.unreadable import Unreadable
 from flexrun.agent.uptime import Uptime
@@ -219,7 +218,7 @@ class Agent:
             if action.code == NO_PROGRESS:
                 _crash_loop_exit(self.events, self.recovery.crash_loop_restarts)
             if action.code != 0:
-                _report_failure(action, self.config.launcher_error_file, self.clock.wall())
+                report_failure(action, self.config.launcher_error_file, self.clock.wall())
             return action.code
         interval = self.config.monitor_interval_s
         self.rdzv.wait(interval if self.runner.active else max(interval, 0.5))
@@ -269,25 +268,7 @@ class Agent:
         if a.live:
             self.events.emit("failure", **cause.to_dict())
             rec = self.rdzv.count_failure(cause, progressed=progressed)
-            if rec.state == FAILED:
-                log.error(
-                    "worker %s failed (%s); restarts exhausted (%d allowed%s): not replacing it",
-                    cause.worker_id or cause.rank,
-                    cause.describe(),
-                    self.recovery.max_restarts,
-                    _window(self.recovery.restart_window_s),
-                )
-            else:
-                log.warning(
-                    "worker %s failed (%s): %s; replacing it, survivors keep running "
-                    "(failure %d of at most %d%s)",
-                    cause.worker_id or cause.rank,
-                    cause.describe(),
-                    cause.message,
-                    rec.restarts,
-                    self.recovery.max_restarts,
-                    _window(self.recovery.restart_window_s),
-                )
+            log_live_failure(cause, rec, self.recovery)
             return
         rec = self.rdzv.report_failure(a.round, cause, progressed=progressed)
         self.phase = policy.step(self.phase, policy.Reported(), 0.0, self.settings).phase
@@ -441,37 +422,6 @@ def worker_signal(signum: int) -> int:
 def _restore_signals(previous: dict[int, Any]) -> None:
     for sig, h in previous.items():
         signal.signal(sig, h)
-
-
-def _window(window_s: float) -> str:
-    return f" per {window_s:g}s window" if window_s > 0 else ""
-
-
-def _report_failure(action: Exit, error_file: Path | None, wall: float) -> None:
-    """A failed job's root cause on stderr, and in the launcher's own error file if set."""
-    _print_root_cause(action.root_cause, action.reason)
-    if action.root_cause is not None and error_file is not None:
-        write_launcher_error_file(error_file, action.root_cause, timestamp=wall)
-
-
-def _print_root_cause(cause: FailureCause | None, reason: str) -> None:
-    if cause is None:
-        print(f"flexrun: {reason}", file=sys.stderr)
-        return
-    if cause.kind == "node_lost":  # a whole node, not one worker
-        print(f"flexrun: {reason}. Root cause: {cause.message}", file=sys.stderr)
-        return
-    sig = f" ({cause.signal})" if cause.signal else ""
-    print(
-        f"flexrun: {reason}. Root cause: rank {cause.rank} on node {cause.node} "
-        f"exited with code {cause.exit_code}{sig}: {cause.message or 'no message'}",
-        file=sys.stderr,
-    )
-    tb = cause.traceback.strip()
-    if tb:
-        print("flexrun: traceback of the failing rank:\n" + tb, file=sys.stderr)
-    if cause.log_dir:
-        print(f"flexrun: logs: {cause.log_dir}", file=sys.stderr)
 
 
 def _wait_for_others_to_leave(config: RunConfig, rdzv: RendezvousHandler, clock: Clock) -> None:
