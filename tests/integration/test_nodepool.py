@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -345,9 +346,16 @@ def test_a_live_node_joins_with_the_nodes_spare_and_the_first_node_keeps_its_pid
 def test_an_agent_of_another_python_environment_does_not_take_the_spares(procs: Procs) -> None:
     venv = procs.tmp / "venv"
     subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-        timeout=120,
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    # Another interpreter path that still imports this environment's packages (flexrun,
+    # torch): the running environment's site directories, .pth files included, added to the
+    # new venv's. (--system-site-packages would give it the base interpreter's, which a
+    # fresh venv such as CI's does not install anything into.)
+    py = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (venv / "lib" / py / "site-packages" / "parent_env.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()),
+        encoding="utf-8",
     )
     root = procs.tmp / "spares"
     start_spares(procs, root, 1)
