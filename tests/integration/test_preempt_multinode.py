@@ -89,7 +89,14 @@ def test_preempting_one_node_lets_the_survivor_re_form_without_counting_a_failur
     )
     assert b.poll() is None, procs.stderr("b")[-2000:]
     ev_b = read_events(procs.tmp / "run-b")
-    failures = [e for e in ev_b if e["event"] in ("failure", "restart")]
+    # (A survivor whose own worker was still finishing the agreed step when the new round
+    # formed restarts it for reason node_left, as a loaded machine makes likely: that is no
+    # failure. A failure is a `failure` event or a restart for one.)
+    failures = [
+        e
+        for e in ev_b
+        if e["event"] == "failure" or (e["event"] == "restart" and e.get("reason") != "node_left")
+    ]
     assert failures == [], f"the agreed stop was counted as a failure: {failures}"
     # The preempted node left as soon as its first worker was gone: the survivor's new
     # round formed while the other (lingering) worker was still exiting.
