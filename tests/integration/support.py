@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
+
 SCRIPTS = Path(__file__).parent / "scripts"
 DDP_STEPS = SCRIPTS / "ddp_steps.py"
 
@@ -283,3 +285,22 @@ def node_args(
         "--run-dir",
         str(run_dir),
     ]
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def endpoint(request: pytest.FixtureRequest, procs: Procs) -> Iterator[tuple[str, str]]:
+    """(backend, endpoint) of a store the job and the stranger share."""
+    if request.param == "tcp":
+        port = free_port()
+        proc = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store")
+        wait_for(lambda: "listening" in (procs.tmp / "store.out").read_text(), 30, "the store")
+        yield "c10d", f"127.0.0.1:{port}"
+        proc.terminate()
+        proc.wait(timeout=10)
+        return
+    if etcd_binary() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{MISSING}; CI must run the etcd tests")
+        pytest.skip(MISSING)
+    with EtcdCluster(procs.tmp / "etcd") as cluster:
+        yield "etcd-v3", cluster.endpoint_arg

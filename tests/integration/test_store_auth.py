@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,30 +18,8 @@ from support import DDP_STEPS, Procs, node_args, read_events, read_progress, wai
 from flexrun.rendezvous.state import FAILED, Claim, Keys, NodeRecord, RoundRecord
 from flexrun.store.api import Store
 from flexrun.store.tcp import TcpStore
-from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
 
 HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
-
-
-@pytest.fixture(params=["tcp", "etcd"])
-def endpoint(request: pytest.FixtureRequest, procs: Procs) -> Iterator[tuple[str, str]]:
-    """(backend, endpoint) of a store the job and the stranger share."""
-    if request.param == "tcp":
-        from support import free_port
-
-        port = free_port()
-        proc = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store")
-        wait_for(lambda: "listening" in (procs.tmp / "store.out").read_text(), 30, "the store")
-        yield "c10d", f"127.0.0.1:{port}"
-        proc.terminate()
-        proc.wait(timeout=10)
-        return
-    if etcd_binary() is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{MISSING}; CI must run the etcd tests")
-        pytest.skip(MISSING)
-    with EtcdCluster(procs.tmp / "etcd") as cluster:
-        yield "etcd-v3", cluster.endpoint_arg
 
 
 def _stranger(backend: str, endpoint: str) -> Store:

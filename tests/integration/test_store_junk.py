@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,39 +16,22 @@ from junk_support import EtcdJunk, TcpJunk
 from support import DDP_STEPS, Procs, node_args, read_events, read_progress, wait_for
 
 from flexrun.rendezvous.state import Keys
-from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
 
 HB = "heartbeat_interval=0.5,heartbeat_timeout=6,last_call_timeout=0.5,join_timeout=60"
 JUNK = (b"garbage", b"\xff\xfe\x00", b"abc", b"", b"12 -\n\xff", b"FXS1 x", b"7 x\nleft over")
 ATTACK_S = 8.0
 
 
-@pytest.fixture(params=["tcp", "etcd"])
-def endpoint(request: pytest.FixtureRequest, procs: Procs) -> Iterator[tuple[str, str]]:
-    """(backend, endpoint) of a store the job and the stranger share."""
-    if request.param == "tcp":
-        from support import free_port
-
-        port = free_port()
-        proc = procs.start(["store", "--host", "127.0.0.1", "--port", str(port)], name="store")
-        wait_for(lambda: "listening" in (procs.tmp / "store.out").read_text(), 30, "the store")
-        yield "c10d", f"127.0.0.1:{port}"
-        proc.terminate()
-        proc.wait(timeout=10)
-        return
-    if etcd_binary() is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{MISSING}; CI must run the etcd tests")
-        pytest.skip(MISSING)
-    with EtcdCluster(procs.tmp / "etcd") as cluster:
-        yield "etcd-v3", cluster.endpoint_arg
-
-
 def _agent(procs: Procs, backend: str, endpoint: str, name: str, env: dict[str, str]) -> Any:
     return procs.start(
         [
             *node_args(
-                endpoint, name, procs.tmp / f"run-{name}", nproc=1, nnodes="2", backend=backend,
+                endpoint,
+                name,
+                procs.tmp / f"run-{name}",
+                nproc=1,
+                nnodes="2",
+                backend=backend,
                 conf=HB,
             ),
             "--max-restarts",
