@@ -49,7 +49,10 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+# cred_expire: a requeued job waits this long before it starts again (default 120 s): the
+# credential of its killed run must expire first, or slurmd refuses the new launch of the
+# same job id ("credential revoked"; forcing starttime=now raced with it).
+AuthInfo=socket={munge_socket},cred_expire=20
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

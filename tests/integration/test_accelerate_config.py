@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,10 @@ def _flexrun(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _results(out: str) -> list[dict]:
-    got = [json.loads(x.split("ACC ", 1)[1]) for x in out.splitlines() if "ACC " in x]
+    # Each worker's print is found by its JSON, not by line: two workers' output shares the
+    # console, and where PYTHONUNBUFFERED is set a print's text and its newline are two
+    # writes, so one worker's line can end after the other's.
+    got = [json.loads(m) for m in re.findall(r"ACC (\{[^{}]*\})", out)]
     return sorted(got, key=lambda r: r["rank"])
 
 

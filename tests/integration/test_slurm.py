@@ -123,10 +123,9 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     # the run directory keeps the interrupted run's progress files.
     killed = slurm.kill_matching(("-m flexrun run", "ddp_steps.py"))
     assert killed, "no flexrun process found to kill"
-    # Slurm holds a requeued batch job back (its begin time ~2 min on): start it now.
+    # Slurm holds a requeued batch job back until its old credential expired (cred_expire=20).
     requeued = slurm.wait_job(job, 60, states=("PENDING", "REQUEUED", "COMPLETED", "FAILED"))
     assert requeued["JobState"] in ("PENDING", "REQUEUED"), (requeued, _out(slurm))
-    slurm.client(["scontrol", "update", f"jobid={job}", "starttime=now"])
     info = slurm.wait_job(job, 180)
     out = _out(slurm)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
@@ -225,7 +224,6 @@ def test_the_static_template_turns_a_time_limit_warning_into_a_checkpoint_and_a_
     out = _out(slurm)
     assert requeued["JobState"] in ("PENDING", "REQUEUED"), f"{requeued}\n{out}"
     assert "exit 143: requeueing job" in out, out
-    slurm.client(["scontrol", "update", f"jobid={job}", "starttime=now"])
     info = slurm.wait_job(job, 180)
     out = _out(slurm)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
