@@ -204,7 +204,7 @@ def _validate(argv: Sequence[str], environ: Mapping[str, str]) -> Path:
     parser = _Parser(prog="flexrun")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_run_parser(sub, environ, lambda ns: 0)
-    return run_config_from_args(parser.parse_args(["run", *argv]), environ).run_dir
+    return run_config_from_args(parser.parse_args(["run", *argv]), environ).output.run_dir
 
 
 def _run(argv: list[str], extra: Mapping[str, str], private: Path, key: bytes) -> dict[int, Any]:

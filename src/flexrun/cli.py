@@ -28,12 +28,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     config = run_config_from_args(ns, ns.environ)
-    ns.run_dir_used = config.run_dir  # (main's JobFailed points at the logs)
-    if config.spares_dir is not None and ns.delegate:
+    ns.run_dir_used = config.output.run_dir  # (main's JobFailed points at the logs)
+    if config.spares.spares_dir is not None and ns.delegate:
         # The node's `flexrun spares` may hold an agent with its imports done: run there.
         from flexrun.spares.client import run_in_warm_agent
 
-        code = run_in_warm_agent(config.spares_dir, ns.argv)
+        code = run_in_warm_agent(config.spares.spares_dir, ns.argv)
         if code is not None:
             return code
     from flexrun.agent.launch import launch

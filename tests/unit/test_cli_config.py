@@ -61,7 +61,7 @@ def test_static_job_from_the_five_trainer_v2_variables(script: str) -> None:
     }
     c = cfg([script], env)
     assert c.static is not None and c.static.hosts_store and c.store.host_store
-    assert (c.static.nnodes, c.static.master_port, c.nproc_per_node) == (2, 29512, 3)
+    assert (c.static.nnodes, c.static.master_port, c.worker.nproc_per_node) == (2, 29512, 3)
     assert c.rendezvous.static and c.rendezvous.min_nodes == c.rendezvous.max_nodes == 2
 
 
@@ -208,16 +208,16 @@ def test_bad_values_are_one_clear_error(script: str, argv: list[str], needle: st
 
 
 def test_monitor_interval_zero_is_accepted_as_often_as_possible(script: str) -> None:
-    assert cfg(["--monitor-interval", "0", script]).monitor_interval_s == 0.01
+    assert cfg(["--monitor-interval", "0", script]).worker.monitor_interval_s == 0.01
 
 
 def test_shutdown_timeout_precedence(script: str) -> None:
-    assert cfg([script]).stop_grace_s == 30.0
-    assert cfg([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).stop_grace_s == 7.0
+    assert cfg([script]).worker.stop_grace_s == 30.0
+    assert cfg([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).worker.stop_grace_s == 7.0
     env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7", "PET_SHUTDOWN_TIMEOUT": "4"}
-    assert cfg([script], env).stop_grace_s == 4.0
-    assert cfg(["--shutdown-timeout", "2", script], env).stop_grace_s == 2.0
-    assert cfg(["--stop-grace", "1.5", script]).stop_grace_s == 1.5
+    assert cfg([script], env).worker.stop_grace_s == 4.0
+    assert cfg(["--shutdown-timeout", "2", script], env).worker.stop_grace_s == 2.0
+    assert cfg(["--stop-grace", "1.5", script]).worker.stop_grace_s == 1.5
 
 
 def test_run_dir_or_log_dir_naming_a_file_is_refused(script: str, tmp_path: Path) -> None:
@@ -230,18 +230,18 @@ def test_run_dir_or_log_dir_naming_a_file_is_refused(script: str, tmp_path: Path
 
 def test_run_path_wins_over_module_and_no_python(script: str) -> None:
     c = cfg(["--run-path", "--no-python", script])
-    assert c.run_path and not c.no_python and not c.module
+    assert c.worker.run_path and not c.worker.no_python and not c.worker.module
 
 
 def test_per_rank_redirects_tee_and_filter(script: str) -> None:
     c = cfg(["-r", "0:1,1:3", "-t", "1:2", "--local-ranks-filter", "0,1", "--nproc-per-node",
              "3", script])  # fmt: skip
-    assert c.console_for(0) == {"stderr"}
-    assert c.console_for(1) == {"stderr"}  # redirected both, but stderr tee'd
-    assert c.console_for(2) == frozenset()  # filtered out
-    assert c.redirects.of(2) == frozenset() and c.tee.of(0) == frozenset()
+    assert c.output.console_for(0) == {"stderr"}
+    assert c.output.console_for(1) == {"stderr"}  # redirected both, but stderr tee'd
+    assert c.output.console_for(2) == frozenset()  # filtered out
+    assert c.output.redirects.of(2) == frozenset() and c.output.tee.of(0) == frozenset()
     plain = cfg(["-r", "1", script])
-    assert plain.console_streams == {"stderr"} and plain.console_for(0) == {"stderr"}
+    assert plain.output.console_streams == {"stderr"} and plain.output.console_for(0) == {"stderr"}
 
 
 def test_torchrun_only_settings_are_carried(script: str) -> None:
@@ -250,14 +250,14 @@ def test_torchrun_only_settings_are_carried(script: str) -> None:
              "--event-log-handler", "console", "--metrics-host", "0.0.0.0", script],
             {"PYTHON_EXEC": "/usr/bin/python3", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "${rank}>",
              "TORCHELASTIC_ERROR_FILE": "/tmp/e.json"})  # fmt: skip
-    assert c.signals_to_handle == ("SIGTERM", "SIGUSR1", "SIGKILL", "NOPE")
-    assert c.signal_numbers == (signal.SIGTERM, signal.SIGUSR1)
-    assert c.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1,SIGKILL,NOPE"
-    assert c.start_method == "fork" and c.virtual_local_rank
-    assert c.duplicate_stdout_filters == ("a,b", "c") and c.event_log_handler == "console"
-    assert c.python_exec == "/usr/bin/python3" and c.log_line_prefix_template == "${rank}>"
-    assert c.launcher_error_file == Path("/tmp/e.json") and c.metrics_host == "0.0.0.0"
-    assert cfg([script]).metrics_host == "127.0.0.1"
+    assert c.worker.signals_to_handle == ("SIGTERM", "SIGUSR1", "SIGKILL", "NOPE")
+    assert c.worker.signal_numbers == (signal.SIGTERM, signal.SIGUSR1)
+    assert c.worker.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1,SIGKILL,NOPE"
+    assert c.worker.start_method == "fork" and c.worker.virtual_local_rank
+    assert c.output.duplicate_stdout_filters == ("a,b", "c") and c.output.event_log_handler == "console"
+    assert c.worker.python_exec == "/usr/bin/python3" and c.output.log_line_prefix_template == "${rank}>"
+    assert c.output.launcher_error_file == Path("/tmp/e.json") and c.observe.metrics_host == "0.0.0.0"
+    assert cfg([script]).observe.metrics_host == "127.0.0.1"
 
 
 def _plugin_dist(root: Path, group: str, name: str, value: str) -> None:
@@ -287,17 +287,17 @@ def test_logs_specs_entry_point_is_found_and_the_agent_loads_and_checks_it(
     )
     monkeypatch.syspath_prepend(str(site))
     c = cfg(["--logs-specs", "mine", "--log-dir", str(tmp_path / "logs"), script])
-    assert c.logs_specs == "mine"
-    specs = load_logs_specs(c)
+    assert c.output.logs_specs == "mine"
+    specs = load_logs_specs(c.output)
     assert type(specs).__name__ == "Specs" and specs.root_log_dir == str(tmp_path / "logs")
-    assert load_logs_specs(cfg([script])) is None
+    assert load_logs_specs(cfg([script]).output) is None
     (site / "fakeplugin-1.0.dist-info" / "entry_points.txt").write_text(
         "[torchrun.logs_specs]\nmine = fakeplugin_mod:NotSpecs\nother = nomodule:X\n"
     )
     with pytest.raises(ConfigError, match="not a LogsSpecs subclass"):
-        load_logs_specs(cfg(["--logs-specs", "mine", script]))
+        load_logs_specs(cfg(["--logs-specs", "mine", script]).output)
     with pytest.raises(ConfigError, match="cannot load nomodule:X .ModuleNotFoundError"):
-        load_logs_specs(cfg(["--logs-specs", "other", script]))
+        load_logs_specs(cfg(["--logs-specs", "other", script]).output)
     with pytest.raises(ConfigError, match="names: .*mine, other"):
         cfg(["--logs-specs", "nope", script])
 

@@ -17,6 +17,7 @@ from flexrun.config.netaddr import (
 )
 from flexrun.errors import ConfigError
 from flexrun.rendezvous.state import MasterRecord, Member, RoundRecord
+from flexrun.testing.config import run_config
 
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth7": ["10.1.2.3"], "ib0": ["10.9.0.3"]}
 
@@ -93,7 +94,7 @@ def _envs(
 def _settings(tmp_path: Path, **kw: object) -> RunConfig:
     script = tmp_path / "s.py"
     script.write_text("")
-    return RunConfig(entrypoint=str(script), nproc_per_node=2, **kw)  # type: ignore[arg-type]
+    return run_config(entrypoint=str(script), nproc_per_node=2, **kw)
 
 
 def test_worker_env_gets_the_interface_unless_the_user_chose_one(tmp_path: Path) -> None:

@@ -119,7 +119,7 @@ def test_srun_flexrun_run_alone_is_a_static_job_over_the_steps_nodes(script: str
     assert c.static.master_port == PORT_BASE + 2 * 4711
     assert c.rendezvous.min_nodes == c.rendezvous.max_nodes == 2
     assert c.run_id == "slurm-4711"
-    assert c.run_dir == (Path("flexrun-runs") / "slurm-4711").absolute()
+    assert c.output.run_dir == (Path("flexrun-runs") / "slurm-4711").absolute()
     assert not c.store.host_store
     assert cfg([script], step_env(rank=0)).store.host_store  # rank 0 hosts the store
 

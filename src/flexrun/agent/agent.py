@@ -96,7 +96,7 @@ class Agent:
     # -- entry point ------------------------------------------------------------------------
     def run(self) -> int:
         """Run until the job finishes, fails or this agent is signalled; return the exit code."""
-        previous = _install_signals(self.config.signal_numbers)
+        previous = _install_signals(self.config.worker.signal_numbers)
         try:
             code = self._join()
             if code is None:
@@ -106,7 +106,7 @@ class Agent:
                 _wait_for_others_to_leave(self.config, self.rdzv, self.clock)
             return code
         except _Terminated as t:
-            name, grace = signal.Signals(t.signum).name, self.config.stop_grace_s
+            name, grace = signal.Signals(t.signum).name, self.config.worker.stop_grace_s
             log.warning("received %s: stopping workers (grace %gs)", name, grace)
             self.events.emit("preempted", signal=name)
             # Leave the rendezvous as soon as a worker is gone (the ranks agreed on the
@@ -218,9 +218,9 @@ class Agent:
             if action.code == NO_PROGRESS:
                 _crash_loop_exit(self.events, self.recovery.crash_loop_restarts)
             if action.code != 0:
-                report_failure(action, self.config.launcher_error_file, self.clock.wall())
+                report_failure(action, self.config.output.launcher_error_file, self.clock.wall())
             return action.code
-        interval = self.config.monitor_interval_s
+        interval = self.config.worker.monitor_interval_s
         self.rdzv.wait(interval if self.runner.active else max(interval, 0.5))
         return None
 

@@ -30,7 +30,10 @@ def filtered_logs(
     """The attempt's ``directory/filtered_{stream}.log`` (or ``paths[stream]``, a LogsSpecs'
     choice) of each stream that has ``--duplicate-*-filters`` (created now, as torchrun
     does; close them when the attempt ends)."""
-    wanted = {"stdout": config.duplicate_stdout_filters, "stderr": config.duplicate_stderr_filters}
+    wanted = {
+        "stdout": config.output.duplicate_stdout_filters,
+        "stderr": config.output.duplicate_stderr_filters,
+    }
     out = {}
     for stream, filters in wanted.items():
         if filters:
@@ -50,14 +53,14 @@ def with_duplicates(console: Console, filtered: Mapping[str, FilteredLog]) -> Co
 
 def line_prefix(config: RunConfig, local_rank: int, rank: int) -> str:
     """torchrun's console prefix of a tee'd line: ``[<role><local_rank>]:`` or the template."""
-    if config.log_line_prefix_template is not None:
-        return Template(config.log_line_prefix_template).safe_substitute(
-            role_name=config.role,
+    if config.output.log_line_prefix_template is not None:
+        return Template(config.output.log_line_prefix_template).safe_substitute(
+            role_name=config.worker.role,
             rank=rank,
             local_rank=local_rank,
             hostname=socket.getfqdn(),
         )
-    return f"[{config.role}{local_rank}]:"
+    return f"[{config.worker.role}{local_rank}]:"
 
 
 def close_filtered(logs: Mapping[str, FilteredLog]) -> None:
@@ -73,8 +76,8 @@ def console_plan(
 ) -> Console:
     """How local rank ``local_rank`` (global ``rank``) is shown on the console; its tee'd
     streams' matching lines also go to ``filtered`` (stream -> the attempt's file)."""
-    shown = config.console_for(local_rank)
-    teed = config.tee.of(local_rank) & shown
+    shown = config.output.console_for(local_rank)
+    teed = config.output.tee.of(local_rank) & shown
     prefix = line_prefix(config, local_rank, rank)
     return with_duplicates(Console(shown, {stream: prefix for stream in teed}), filtered or {})
 
@@ -86,7 +89,7 @@ class AttemptOutputs:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
-        self.specs = load_logs_specs(config)
+        self.specs = load_logs_specs(config.output)
         """``--logs-specs``: the torchrun LogsSpecs instance (None: off)."""
         self.attempt: AttemptFiles | None = None
         self.filtered: dict[str, FilteredLog] = {}

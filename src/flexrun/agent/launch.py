@@ -103,7 +103,7 @@ def build_agent(
     me = NodeRecord(
         config.node_id,
         config.local_addr,
-        config.nproc_per_node,
+        config.worker.nproc_per_node,
         pid=os.getpid(),
         rank=static.node_rank if static is not None else -1,
     )
@@ -181,20 +181,20 @@ def launch(config: RunConfig) -> int:
     Raises:
         ConfigError: the run directory cannot be made.
     """
-    make_run_dir(config.run_dir)
+    make_run_dir(config.output.run_dir)
     events = EventLog(
-        config.run_dir,
+        config.output.run_dir,
         run_id=config.run_id,
         node=config.node_id,
-        echo_stderr=config.event_log_handler == "console",  # (torchrun's console handler)
+        echo_stderr=config.output.event_log_handler == "console",  # (torchrun's console handler)
     )
     pool = restart_pool(config)
     live_spares = live_pool(config)
     if live_spares is not None:
         # Live mode: this node's first workers boot now, before the agent imports torch
         # for its store client, and become the workers once the node is admitted.
-        live_spares.fill(count=config.nproc_per_node)
-    elif pool is not None and (config.store.endpoints or config.spares_dir is not None):
+        live_spares.fill(count=config.worker.nproc_per_node)
+    elif pool is not None and (config.store.endpoints or config.spares.spares_dir is not None):
         # A node of a multi-node job (likely joining a running one): start its warm
         # interpreters now, so that they import torch while this agent connects and meets
         # the others, and its first workers start warm (or take them warm from the node's
@@ -207,23 +207,25 @@ def launch(config: RunConfig) -> int:
     server: object | None = None
     try:
         store, server = open_store(config.store, static=config.static is not None)
-        if config.metrics_port is not None:
+        if config.observe.metrics_port is not None:
             from flexrun.observe.metrics import serve_run_metrics
 
             # Fed from the node's event log, so worker events (checkpoints, throughput)
             # reach the metrics without another channel.
             metrics, follower = serve_run_metrics(
-                config.run_dir,
-                config.metrics_port,
+                config.output.run_dir,
+                config.observe.metrics_port,
                 node=config.node_id,
                 run_id=config.run_id,
-                host=config.metrics_host,
+                host=config.observe.metrics_host,
             )
-        if config.resource_interval_s > 0:
+        if config.observe.resource_interval_s > 0:
             from flexrun.observe.resources import ResourceSampler
 
             sampler = ResourceSampler(
-                events.emit, interval_s=config.resource_interval_s, disk_path=str(config.run_dir)
+                events.emit,
+                interval_s=config.observe.resource_interval_s,
+                disk_path=str(config.output.run_dir),
             )
             sampler.start()
         worker_stores = WorkerStores(config.static) if config.static is not None else None

@@ -89,9 +89,9 @@ def _warm(
     return assign(
         spare,
         env=env,
-        entry=c.entrypoint,
-        args=c.args,
-        module=c.module,
+        entry=c.worker.entrypoint,
+        args=c.worker.args,
+        module=c.worker.module,
         rank=slot,
         local_rank=slot,
         log_dir=wdir,
@@ -139,17 +139,17 @@ class LiveRunner(LoopProgress):
         unreachable when they were found)."""
         self._tee_done = threading.Event()
         self._command = build_command(
-            config.entrypoint,
-            config.args,
-            module=config.module,
-            no_python=config.no_python,
-            python=config.python_exec,
+            config.worker.entrypoint,
+            config.worker.args,
+            module=config.worker.module,
+            no_python=config.worker.no_python,
+            python=config.worker.python_exec,
         )
-        self._log_root = (config.log_dir or config.run_dir / "logs") / "live"
+        self._log_root = (config.output.log_dir or config.output.run_dir / "logs") / "live"
         self.outputs = AttemptOutputs(config)  # (once per start: a new worker keeps its slot's)
-        self._hb_root = config.run_dir / "live-heartbeats" / node_id
+        self._hb_root = config.output.run_dir / "live-heartbeats" / node_id
         self._secret_file = (
-            place_secret_file(config.run_dir / f".job-secret-{node_id}", config.store.secret)
+            place_secret_file(config.output.run_dir / f".job-secret-{node_id}", config.store.secret)
             if config.store.secret is not None
             else None
         )
@@ -190,7 +190,7 @@ class LiveRunner(LoopProgress):
         return start
 
     def _start(self, rnd: RoundRecord) -> None:
-        n, first = self.config.nproc_per_node, self.epochs.current() is None
+        n, first = self.config.worker.nproc_per_node, self.epochs.current() is None
         ids = [f"{self.node}.w{self._seq + 1 + s}" for s in range(n)]  # (as _fill names them)
         envs = lambda: [self._env(s, w, self._hb_root / w) for s, w in enumerate(ids)]  # noqa: E731
         self.outputs.begin(self._log_root, envs, range(n))
@@ -244,7 +244,7 @@ class LiveRunner(LoopProgress):
             included = include_now or not joining
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
         lw = LiveWorker(wid, w, hb, included=included)
-        lw.tees = _tees(w, wid, self.config.console_streams, self._tee_done)
+        lw.tees = _tees(w, wid, self.config.output.console_streams, self._tee_done)
         self.slots[slot] = lw
         self.events.emit(
             "worker_started",
@@ -422,14 +422,14 @@ def live_worker_env(
 ) -> dict[str, str]:
     """The environment of the live worker ``worker_id`` in local slot ``slot``."""
     env = worker_envs(
-        base=c.environ,
+        base=c.worker.environ,
         rnd=rnd,
         node_id=node_id,
-        nproc=c.nproc_per_node,
+        nproc=c.worker.nproc_per_node,
         master=MasterRecord(c.local_addr, 0),
-        role=c.role,
+        role=c.worker.role,
         run_id=c.run_id,
-        run_dir=c.run_dir,
+        run_dir=c.output.run_dir,
         restart_count=0,
         max_restarts=c.rendezvous.max_restarts,
         settings=c,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flexrun.config import RunConfig, StdStreams
+from flexrun.config import OutputSettings, StdStreams
 from flexrun.config.plugins import LOGS_SPECS_GROUP, logs_specs_entry
 from flexrun.errors import ConfigError
 from flexrun.proc.drain import Console
@@ -40,7 +40,7 @@ def std_value(streams: StdStreams) -> Any:
     return one(streams.default)
 
 
-def load_logs_specs(config: RunConfig) -> Any | None:
+def load_logs_specs(output: OutputSettings) -> Any | None:
     """The run's LogsSpecs instance (None without ``--logs-specs``), built as torchrun
     builds it.
 
@@ -48,7 +48,7 @@ def load_logs_specs(config: RunConfig) -> Any | None:
         ConfigError: the entry point is gone, cannot be imported, is not a LogsSpecs
             subclass, or cannot be built from these options.
     """
-    name = config.logs_specs
+    name = output.logs_specs
     if name is None:
         return None
     ep = logs_specs_entry(name)
@@ -67,11 +67,13 @@ def load_logs_specs(config: RunConfig) -> Any | None:
         )
     try:
         return cls(
-            log_dir=None if config.log_dir is None else str(config.log_dir),
-            redirects=std_value(config.redirects),
-            tee=std_value(config.tee),
+            log_dir=None if output.log_dir is None else str(output.log_dir),
+            redirects=std_value(output.redirects),
+            tee=std_value(output.tee),
             local_ranks_filter=(
-                None if config.local_ranks_filter is None else set(config.local_ranks_filter)
+                None
+                if output.local_ranks_filter is None
+                else set(output.local_ranks_filter)
             ),
         )
     except Exception as exc:  # (the plugin's own constructor)

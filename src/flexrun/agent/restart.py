@@ -84,11 +84,11 @@ class RestartRunner:
         self.outputs = AttemptOutputs(config)
         """The round's files and console (and ``--logs-specs``, ``--duplicate-*-filters``)."""
         self._command = build_command(
-            config.entrypoint,
-            config.args,
-            module=config.module,
-            no_python=config.no_python,
-            python=config.python_exec,
+            config.worker.entrypoint,
+            config.worker.args,
+            module=config.worker.module,
+            no_python=config.worker.no_python,
+            python=config.worker.python_exec,
         )
 
     @property
@@ -114,14 +114,14 @@ class RestartRunner:
         self.events.round = rnd.number
         c = self.config
         envs = worker_envs(
-            base=c.environ,
+            base=c.worker.environ,
             rnd=rnd,
             node_id=self.node_id,
-            nproc=c.nproc_per_node,
+            nproc=c.worker.nproc_per_node,
             master=master,
-            role=c.role,
+            role=c.worker.role,
             run_id=c.run_id,
-            run_dir=c.run_dir,
+            run_dir=c.output.run_dir,
             # A static world shares one agent store: every node must use the same
             # /worker/attempt_<restart count> prefix there, so the round's count (a node
             # that rejoined has started fewer rounds itself).
@@ -130,7 +130,7 @@ class RestartRunner:
             settings=c,
             agent_store=self.agent_store,
         )
-        log_dir = (c.log_dir or (c.run_dir / "logs")) / f"round_{rnd.number}"
+        log_dir = (c.output.log_dir or (c.output.run_dir / "logs")) / f"round_{rnd.number}"
         self._cold_workers = 0
         # One wait for booting spares per round, shared by its ranks (not one per rank: a
         # burst of failures on a loaded node found every spare booting and waited 4 x).
@@ -152,7 +152,7 @@ class RestartRunner:
                 self._command,
                 envs,
                 log_dir,
-                console_streams=c.console_streams,
+                console_streams=c.output.console_streams,
                 warm=self._warm if self.pool is not None else None,
                 console=self.outputs.console,
             )
@@ -180,7 +180,7 @@ class RestartRunner:
             len(rnd.members),
             rnd.world_size(),
             base,
-            base + c.nproc_per_node - 1,
+            base + c.worker.nproc_per_node - 1,
         )
         return RoundStart.FRESH
 
@@ -197,9 +197,9 @@ class RestartRunner:
         return assign(
             w,
             env=env,
-            entry=c.entrypoint,
-            args=c.args,
-            module=c.module,
+            entry=c.worker.entrypoint,
+            args=c.worker.args,
+            module=c.worker.module,
             rank=rank,
             local_rank=local_rank,
             log_dir=wdir,
@@ -257,7 +257,7 @@ class RestartRunner:
         blamed = blame_hang(silent, {r: in_collective(s) for r, s in stacks.items()})
         w = next(x for x in alive if x.rank == blamed)
         rp = self.progress.ranks[blamed]
-        hang_dir = self.config.run_dir / "hangs"
+        hang_dir = self.config.output.run_dir / "hangs"
         path = hang_dir / f"round_{self.round.number if self.round else 0}_rank_{blamed}.txt"
         try:
             hang_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ Owns the names and values of every variable a worker sees; spawns nothing. With
 ``settings`` (the run's :class:`~flexrun.config.RunConfig`) it also applies what the
 configuration decided for workers: the network interface defaults of a multi-host job,
 and ``--virtual-local-rank``. (torchrun's ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is in
-``RunConfig.environ``: torchrun exports it from the launcher, so it is inherited.)
+``WorkerSpec.environ``: torchrun exports it from the launcher, so it is inherited.)
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def apply_settings(env: dict[str, str], settings: RunConfig, local_rank: int) ->
         # that is a loopback address, and a multi-host job then hangs after the rendezvous.
         env.setdefault("GLOO_SOCKET_IFNAME", settings.socket_ifname)
         env.setdefault("NCCL_SOCKET_IFNAME", "=" + settings.socket_ifname)
-    if settings.virtual_local_rank:
-        visible = settings.environ.get("CUDA_VISIBLE_DEVICES")
+    if settings.worker.virtual_local_rank:
+        visible = settings.worker.environ.get("CUDA_VISIBLE_DEVICES")
         devices = [d.strip() for d in visible.split(",")] if visible is not None else None
         if devices is not None and local_rank >= len(devices):
             raise ValueError(

@@ -5,7 +5,7 @@ pool, how big, with which environment and where its spares log; the pool itself 
 :class:`flexrun.spares.pool.WarmPool`.
 
 A spare is an interpreter already running: this one (``sys.executable``). A job whose
-workers run another (``PYTHON_EXEC``, :attr:`RunConfig.python_exec`, compared as a path,
+workers run another (``PYTHON_EXEC``, :attr:`WorkerSpec.python_exec`, compared as a path,
 not by what it resolves to: a venv's ``python`` links to the base interpreter yet is not
 the same environment) gets no pool, and its workers start cold under that interpreter.
 """
@@ -24,14 +24,14 @@ from flexrun.spares.protocol import PRELOAD_ENV
 
 def spares_fit(config: RunConfig) -> bool:
     """Whether a spare (this interpreter) can be one of the job's workers."""
-    return os.path.abspath(config.python_exec) == os.path.abspath(sys.executable)
+    return os.path.abspath(config.worker.python_exec) == os.path.abspath(sys.executable)
 
 
 def _spare_env(config: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with the modules the spares pre-import (``--spare-preload``), if any."""
     out = dict(env)
-    if config.spare_preload:
-        out[PRELOAD_ENV] = ",".join(config.spare_preload)
+    if config.spares.spare_preload:
+        out[PRELOAD_ENV] = ",".join(config.spares.spare_preload)
     return out
 
 
@@ -39,19 +39,19 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
     """The warm pool of a restart-mode agent (None when disabled or not applicable)."""
     if (
         config.mode != "restart"
-        or config.warm_spares <= 0
-        or config.no_python
+        or config.spares.warm_spares <= 0
+        or config.worker.no_python
         or not spares_fit(config)
     ):
         return None
-    log_root = config.log_dir or (config.run_dir / "logs")
+    log_root = config.output.log_dir or (config.output.run_dir / "logs")
     return WarmPool(
-        config.warm_spares,
-        _spare_env(config, without_secrets(config.environ)),
+        config.spares.warm_spares,
+        _spare_env(config, without_secrets(config.worker.environ)),
         log_root / "spares",
-        node=config.spares_dir,
+        node=config.spares.spares_dir,
         # (A restart needs a spare per local worker: beyond that, refill in batches.)
-        max_booting=config.nproc_per_node,
+        max_booting=config.worker.nproc_per_node,
         # A restart takes every local worker's spare at once: refill by fork, in
         # milliseconds, so that a second failure right after the first finds them ready.
         fork_server=True,
@@ -62,22 +62,22 @@ def live_pool(config: RunConfig) -> WarmPool | None:
     """The warm pool of a live-mode agent (None for ``--no-python``). The launcher builds
     it and fills it with the node's first workers before it even connects to the store,
     so their Python and torch import overlaps the agent's own start-up."""
-    if config.mode != "live" or config.no_python or not spares_fit(config):
+    if config.mode != "live" or config.worker.no_python or not spares_fit(config):
         return None
-    env = without_secrets(config.environ)
-    if config.nproc_per_node > 1:
+    env = without_secrets(config.worker.environ)
+    if config.worker.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as worker_envs will for the workers
     # As LiveSupervisor sets for its workers, but it must be there before the spare imports
     # torch: c10d reads it once. Live workers' bounded store waits expire routinely, and
     # each warning c10d logs for one can stall seconds on a reverse DNS lookup.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    log_root = (config.log_dir or config.run_dir / "logs") / "live"
+    log_root = (config.output.log_dir or config.output.run_dir / "logs") / "live"
     # Refill by fork from one warm zygote, as restart mode: a replacement's fresh `import
     # torch` (seconds of CPU) competed with the survivors' training after every failure.
     return WarmPool(
-        config.warm_spares,
+        config.spares.warm_spares,
         _spare_env(config, env),
         log_root / "spares",
-        node=config.spares_dir,
+        node=config.spares.spares_dir,
         fork_server=True,
     )

@@ -47,7 +47,7 @@ def shares_agent_store(config: RunConfig) -> bool:
         return True
     if not backend_named(config.store.backend).shares_worker_store:
         return False
-    return config.environ.get(DISABLE_SHARING, "0") != "1"
+    return config.worker.environ.get(DISABLE_SHARING, "0") != "1"
 
 
 class WorkerStores:

@@ -4,7 +4,8 @@
 Owns parsing and validating what users give flexrun (flags, ``PET_*`` variables,
 ``--rdzv-conf``), with precedence CLI > environment (``PET_*``) > default, as torchrun, into
 frozen dataclasses that library code receives (it never reads the environment itself).
-Modules: :mod:`.settings` (the dataclasses), :mod:`.build` (flags -> RunConfig),
+Modules: :mod:`.settings` (RunConfig, the store and rendezvous parts), :mod:`.run_parts` (the worker,
+output, observe and spares parts), :mod:`.build` (flags -> RunConfig),
 :mod:`.parsing` (value syntax), :mod:`.rdzv_conf` (``--rdzv-conf`` keys), :mod:`.topology`
 (one host, elastic or static), :mod:`.netaddr` (the address peers reach), :mod:`.numa`,
 :mod:`.plugins` (torchrun's entry points), :mod:`.credentials` (job secret, etcd password),
@@ -39,13 +40,19 @@ from flexrun.config.parsing import (
     parse_nnodes,
     parse_nproc,
 )
-from flexrun.config.settings import (
+from flexrun.config.run_parts import (
     DEFAULT_SIGNALS,
     START_METHODS,
+    ObserveSettings,
+    OutputSettings,
+    SpareSettings,
+    StdStreams,
+    WorkerSpec,
+)
+from flexrun.config.settings import (
     RendezvousSettings,
     RunConfig,
     StaticJob,
-    StdStreams,
     StoreSettings,
     default_node_id,
     process_environ,
@@ -71,11 +78,15 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "DEFAULT_STORE_PORT",
     "START_METHODS",
+    "ObserveSettings",
+    "OutputSettings",
     "RendezvousSettings",
     "RunConfig",
     "StaticJob",
     "StdStreams",
+    "SpareSettings",
     "StoreSettings",
+    "WorkerSpec",
     "default_node_id",
     "env_default",
     "env_flag",

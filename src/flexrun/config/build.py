@@ -36,14 +36,20 @@ from flexrun.config.parsing import (
     parse_std,
     pet_name,
 )
-from flexrun.config.settings import (
+from flexrun.config.run_parts import (
     DEFAULT_SIGNALS,
+    ObserveSettings,
+    OutputSettings,
+    SpareSettings,
+    StdStreams,
+    WorkerSpec,
+)
+from flexrun.config.settings import (
     LIVE_MAX_RESTARTS,
     LIVE_RESTART_WINDOW_S,
     RendezvousSettings,
     RunConfig,
     StaticJob,
-    StdStreams,
     StoreSettings,
     check_dir_arg,
     default_node_id,
@@ -280,61 +286,69 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     monitor = parse_duration(a["monitor_interval"], "--monitor-interval")
     signals = parse_signals(a.get("signals_to_handle") or ",".join(DEFAULT_SIGNALS))
     return RunConfig(
-        entrypoint=a["training_script"],
-        args=tuple(a["training_script_args"]),
-        module=module,
-        no_python=no_python,
-        nproc_per_node=nproc,
+        worker=WorkerSpec(
+            entrypoint=a["training_script"],
+            args=tuple(a["training_script_args"]),
+            module=module,
+            no_python=no_python,
+            nproc_per_node=nproc,
+            role=check_name(str(a["role"]), "--role"),
+            # torchrun accepts 0 (check as often as possible): every 10 ms here.
+            monitor_interval_s=max(monitor, 0.01),
+            stop_grace_s=_stop_grace(a, environ),
+            signals_to_handle=signals,
+            start_method=str(a.get("start_method") or "spawn"),
+            run_path=run_path,
+            python_exec=environ.get("PYTHON_EXEC") or sys.executable,
+            virtual_local_rank=bool(a.get("virtual_local_rank")),
+            numa_binding=numa_mode or None,
+            numa_cpus=numa.cpus_per_local_rank(numa_mode, nproc) if numa_mode else (),
+            # torchrun exports it to its own environment, so every worker inherits it.
+            # (--accelerate-config: what `accelerate launch` would export, over the caller's.)
+            environ={**environ, **accelerate, "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signals)},
+        ),
+        output=OutputSettings(
+            run_dir=run_dir.absolute(),
+            log_dir=log_dir,
+            console_streams=(STREAMS - redirects.default) | tee.default,
+            redirects=redirects,
+            tee=tee,
+            local_ranks_filter=parse_ranks_filter(a.get("local_ranks_filter")),
+            duplicate_stdout_filters=tuple(a.get("duplicate_stdout_filters") or ()),
+            duplicate_stderr_filters=tuple(a.get("duplicate_stderr_filters") or ()),
+            # torch 2.15's --log-line-prefix-template wins over the variable (torch's order).
+            log_line_prefix_template=(
+                a.get("log_line_prefix_template")
+                or environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+                or None
+            ),
+            logs_specs=logs_specs or None,
+            event_log_handler=plugins.check_event_log_handler(
+                str(a.get("event_log_handler") or "null")
+            ),
+            launcher_error_file=(
+                Path(environ["TORCHELASTIC_ERROR_FILE"])
+                if environ.get("TORCHELASTIC_ERROR_FILE")
+                else None
+            ),
+        ),
+        observe=ObserveSettings(
+            metrics_port=_port_or_none(a.get("metrics_port"), "--metrics-port"),
+            metrics_host=str(a.get("metrics_host") or "127.0.0.1"),
+            resource_interval_s=parse_duration(a["resource_interval"], "--resource-interval"),
+        ),
+        spares=SpareSettings(
+            warm_spares=spares,
+            spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,
+            spare_preload=_modules(a.get("spare_preload"), "--spare-preload"),
+        ),
         run_id=run_id,
         node_id=_node_id(a),
         local_addr=advertised.addr,
         socket_ifname=advertised.ifname,
-        role=check_name(str(a["role"]), "--role"),
-        run_dir=run_dir.absolute(),
-        log_dir=log_dir,
-        console_streams=(STREAMS - redirects.default) | tee.default,
-        redirects=redirects,
-        tee=tee,
-        local_ranks_filter=parse_ranks_filter(a.get("local_ranks_filter")),
-        duplicate_stdout_filters=tuple(a.get("duplicate_stdout_filters") or ()),
-        duplicate_stderr_filters=tuple(a.get("duplicate_stderr_filters") or ()),
-        # torch 2.15's --log-line-prefix-template wins over the variable (torch's order).
-        log_line_prefix_template=(
-            a.get("log_line_prefix_template")
-            or environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-            or None
-        ),
-        # torchrun accepts 0 (check as often as possible): every 10 ms here.
-        monitor_interval_s=max(monitor, 0.01),
-        stop_grace_s=_stop_grace(a, environ),
-        signals_to_handle=signals,
-        start_method=str(a.get("start_method") or "spawn"),
-        run_path=run_path,
-        python_exec=environ.get("PYTHON_EXEC") or sys.executable,
-        virtual_local_rank=bool(a.get("virtual_local_rank")),
-        numa_binding=numa_mode or None,
-        numa_cpus=numa.cpus_per_local_rank(numa_mode, nproc) if numa_mode else (),
-        logs_specs=logs_specs or None,
-        event_log_handler=plugins.check_event_log_handler(
-            str(a.get("event_log_handler") or "null")
-        ),
-        launcher_error_file=(
-            Path(environ["TORCHELASTIC_ERROR_FILE"])
-            if environ.get("TORCHELASTIC_ERROR_FILE")
-            else None
-        ),
         static=static,
         store=store,
         rendezvous=rdzv,
-        # torchrun exports it to its own environment, so every worker inherits it.
-        # (--accelerate-config: what `accelerate launch` would export, over the caller's.)
-        environ={**environ, **accelerate, "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signals)},
         mode=mode,
-        warm_spares=spares,
-        spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,
-        spare_preload=_modules(a.get("spare_preload"), "--spare-preload"),
-        metrics_port=_port_or_none(a.get("metrics_port"), "--metrics-port"),
-        metrics_host=str(a.get("metrics_host") or "127.0.0.1"),
         hang_timeout_s=parse_duration(a["hang_timeout"], "--hang-timeout"),
-        resource_interval_s=parse_duration(a["resource_interval"], "--resource-interval"),
     )

@@ -18,13 +18,14 @@ from flexrun.agent import policy as p
 from flexrun.agent.agent import Agent
 from flexrun.agent.runner import RoundStart
 from flexrun.cause import FailureCause
-from flexrun.config import RendezvousSettings, RunConfig
+from flexrun.config import RendezvousSettings
 from flexrun.errors import RendezvousError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.rendezvous import Exit, NodeRecord, Run, Stop, Wait
 from flexrun.rendezvous.decide import Action
 from flexrun.rendezvous.state import RUNNING, MasterRecord, Member, RoundRecord
 from flexrun.testing import FakeClock
+from flexrun.testing.config import run_config
 
 
 def rnd(number: int, *nodes: str, state: str = RUNNING, restarts: int = 0) -> RoundRecord:
@@ -150,14 +151,14 @@ def make(
 ) -> tuple[Agent, FakeClock]:
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    config = RunConfig(
+    config = run_config(
         entrypoint=str(script),
         run_dir=tmp_path,
         rendezvous=RendezvousSettings(max_restarts=max_restarts),
     )
     clock = FakeClock()
     events = EventLog(tmp_path, run_id="job", node="n1", clock=clock)
-    agent = Agent(config, rdzv, runner, events=events, masters=masters, clock=clock)  # type: ignore[arg-type]
+    agent = Agent(config, rdzv, runner, events=events, masters=masters, clock=clock)
     return agent, clock
 
 

@@ -25,7 +25,7 @@ def test_warm_spares_start_without_the_secrets(
     env = {"PATH": "/usr/bin", "KEEP": "1", **SECRETS}
     argv = ["run", "--standalone", "--mode", mode, "--warm-spares", "1", "train.py"]
     config = run_config_from_args(build_parser(env).parse_args(argv), env)
-    assert config.environ.get("FLEXRUN_JOB_SECRET")  # the agent has it ...
+    assert config.worker.environ.get("FLEXRUN_JOB_SECRET")  # the agent has it ...
     pool = restart_pool(config) if mode == "restart" else live_pool(config)
     assert pool is not None
     assert pool.environ["KEEP"] == "1"

@@ -7,12 +7,13 @@ from pathlib import Path
 from flexrun.agent.console import close_filtered, console_plan, filtered_logs
 from flexrun.config import RunConfig
 from flexrun.config.settings import StdStreams
+from flexrun.testing.config import run_config
 
 BOTH = frozenset({"stdout", "stderr"})
 
 
 def _config(**kw: object) -> RunConfig:
-    return RunConfig(entrypoint="mod", module=True, nproc_per_node=2, **kw)  # type: ignore[arg-type]
+    return run_config(entrypoint="mod", module=True, nproc_per_node=2, **kw)
 
 
 def test_nothing_redirected_is_shown_unmodified_as_the_agents_own_stream() -> None:

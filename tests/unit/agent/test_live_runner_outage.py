@@ -108,7 +108,7 @@ def live_runner(tmp_path: Path, store: SwitchedStore, pool: FakePool) -> LiveRun
         node_id="n1",
         store=store,  # type: ignore[arg-type]
         store_addr=("127.0.0.1", 1),
-        events=EventLog(c.run_dir, run_id="job", node="n1"),
+        events=EventLog(c.output.run_dir, run_id="job", node="n1"),
         pool=pool,  # type: ignore[arg-type]
     )
 

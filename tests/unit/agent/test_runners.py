@@ -27,6 +27,7 @@ from flexrun.live_protocol import EpochRecord, LiveKeys, NodeWorkers, mark_state
 from flexrun.proc import Worker
 from flexrun.rendezvous.state import RUNNING, MasterRecord, Member, RoundRecord
 from flexrun.testing import FakeClock, MemoryStore
+from flexrun.testing.config import run_config
 
 _NO_PID = 4_000_000  # above any pid_max: signals to it fail with ESRCH
 
@@ -95,13 +96,13 @@ class FakePool:
 def config(tmp_path: Path, **kw: object) -> RunConfig:
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    return RunConfig(
+    return run_config(
         entrypoint=str(script),
         run_dir=tmp_path / "run",
         run_id="job",
         nproc_per_node=2,
         rendezvous=RendezvousSettings(max_restarts=3, heartbeat_timeout_s=5.0),
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 
@@ -120,15 +121,15 @@ MASTER = MasterRecord("10.0.0.1", 29555)
 
 def restart_runner(tmp_path: Path, pool: FakePool, **kw: object) -> tuple[RestartRunner, Path]:
     c = config(tmp_path, **kw)
-    ev = EventLog(c.run_dir, run_id="job", node="n1")
+    ev = EventLog(c.output.run_dir, run_id="job", node="n1")
     runner = RestartRunner(
         c,
         node_id="n1",
         events=ev,
-        pool=pool,  # type: ignore[arg-type]
+        pool=pool,
         clock=FakeClock(),
     )
-    return runner, c.run_dir
+    return runner, c.output.run_dir
 
 
 @pytest.mark.timeout(20)
@@ -199,7 +200,7 @@ def test_restart_runner_blames_and_ends_a_silent_rank(tmp_path: Path) -> None:
 @pytest.mark.timeout(20)
 def test_restart_runner_does_not_start_a_round_whose_master_never_came(tmp_path: Path) -> None:
     c = config(tmp_path)
-    runner = RestartRunner(c, node_id="n1", events=EventLog(c.run_dir, run_id="j"))
+    runner = RestartRunner(c, node_id="n1", events=EventLog(c.output.run_dir, run_id="j"))
     assert runner.run_round(rnd(2, ("n0", 1), ("n1", 2)), None) is None
     assert not runner.active and runner.runs == 0
 
@@ -225,10 +226,10 @@ def live_runner(tmp_path: Path, pool: FakePool) -> tuple[LiveRunner, MemoryStore
         node_id="n1",
         store=store,
         store_addr=("127.0.0.1", 1),
-        events=EventLog(c.run_dir, run_id="job", node="n1"),
-        pool=pool,  # type: ignore[arg-type]
+        events=EventLog(c.output.run_dir, run_id="job", node="n1"),
+        pool=pool,
     )
-    return runner, store, c.run_dir
+    return runner, store, c.output.run_dir
 
 
 def epoch(store: MemoryStore) -> EpochRecord:

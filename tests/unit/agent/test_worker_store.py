@@ -12,6 +12,7 @@ import torch.distributed as dist
 from flexrun.agent.worker_store import RoundStores, shares_agent_store
 from flexrun.config import RunConfig, StaticJob, StoreSettings
 from flexrun.rendezvous.state import MasterRecord, Member, RoundRecord
+from flexrun.testing.config import run_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 def _config(tmp_path: Path, **kw: object) -> RunConfig:
     script = tmp_path / "s.py"
     script.write_text("")
-    return RunConfig(entrypoint=str(script), nproc_per_node=2, **kw)  # type: ignore[arg-type]
+    return run_config(entrypoint=str(script), nproc_per_node=2, **kw)
 
 
 def test_restart_mode_shares_an_agent_store_as_torchruns_c10d_handler(tmp_path: Path) -> None:

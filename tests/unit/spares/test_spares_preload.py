@@ -36,11 +36,11 @@ def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_option_and_pet_variable_name_the_modules(script: str) -> None:
-    assert _cfg([script]).spare_preload == ()
+    assert _cfg([script]).spares.spare_preload == ()
     got = _cfg(["--spare-preload", "transformers, lightning.pytorch,", script])
-    assert got.spare_preload == ("transformers", "lightning.pytorch")
+    assert got.spares.spare_preload == ("transformers", "lightning.pytorch")
     env = {"PET_SPARE_PRELOAD": "accelerate"}
-    assert _cfg([script], env).spare_preload == ("accelerate",)
+    assert _cfg([script], env).spares.spare_preload == ("accelerate",)
 
 
 @pytest.mark.parametrize("bad", ["os;rm", "a..b", "1abc", "a b", "../x"])
@@ -58,7 +58,7 @@ def test_the_agents_pools_carry_the_names_only_when_given(script: str) -> None:
         assert p0 is not None and p1 is not None
         assert PRELOAD_ENV not in p0.environ
         assert p1.environ[PRELOAD_ENV] == "json.tool,wave"
-        assert PRELOAD_ENV not in named.environ  # (the workers' environment is untouched)
+        assert PRELOAD_ENV not in named.worker.environ  # (the workers' environment is untouched)
 
 
 @pytest.mark.timeout(240)
