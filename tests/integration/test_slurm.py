@@ -6,6 +6,8 @@
 - a job killed mid-run (every agent and worker SIGKILLed) and requeued keeps its job id,
   so its run id and run directory: the relaunch resumes from the checkpoint with no hang
   declared and no restart spent;
+- a 3-node allocation running ``--nnodes 1:2``: the third node waits as a spare and takes
+  the place of a member whose host dies; the job ends COMPLETED;
 - an elastic job (``--nnodes 1:2``, ``srun --no-kill``) whose second host dies (slurmd and
   the job's processes there killed) finishes on the first and ends COMPLETED;
 - ``examples/slurm/static.sbatch`` as a user copies it: the time-limit warning (SIGTERM to
@@ -182,6 +184,64 @@ def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster)
     # With --no-kill on sbatch and srun, the survivor's exit is the step's: Slurm's
     # accounting shows a finished job, not the lost node's task.
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_node_of_the_allocation_takes_a_lost_members_place() -> None:
+    # 3 nodes, --nnodes 1:2: two train, the third agent waits on standby (a spare node).
+    with slurm_cluster(nodes=3) as slurm:
+        tmp = slurm.tmp
+        job = slurm.sbatch(
+            _batch(
+                "srun --no-kill --kill-on-bad-exit=0 "
+                + _flexrun(
+                    "--nnodes",
+                    "1:2",
+                    "--nproc-per-node",
+                    "1",
+                    _ddp(tmp, "--steps", "100", "--step-time", "0.2"),
+                )
+            ),
+            "-N3",
+            "--ntasks-per-node=1",
+            "--no-kill",
+            f"--chdir={tmp}",
+            f"--output={tmp}/job.out",
+        )
+        progress = tmp / "progress.jsonl"
+        wait_for(
+            lambda: progress.exists() and len(read_progress(progress)) >= 20,
+            150,
+            "training on 2 of the 3 nodes",
+        )
+        assert {ln["world"] for ln in read_progress(progress)} == {2}
+        # The workers' hosts (a worker is a warm spare's fork: found by its pid, not its name).
+        pids = {ln["pid"] for ln in read_progress(progress)[-6:]}
+        members = sorted({h for h in map(slurm.host_of, pids) if h is not None})
+        assert len(members) == 2, (members, pids)
+        (spare,) = set(slurm.node_ns) - set(members)
+        # The first host holds the c10d store (its loss is STORE_LOST): lose the other member.
+        lost = next(h for h in members if h != "n1")
+        killed_at = time.time()
+        slurm.kill_slurmd(lost)
+
+        def spare_trains() -> bool:
+            recent = [ln for ln in read_progress(progress) if ln["ts"] > killed_at]
+            return any(slurm.host_of(ln["pid"]) == spare for ln in recent[-4:])
+
+        wait_for(spare_trains, 90, "the spare node training")
+        info = slurm.wait_job(job, 200)
+        out = _out(slurm)
+        lines = read_progress(progress)
+        after = [ln for ln in lines if ln["ts"] > killed_at + 1]
+        # The spare took the lost member's place: the world is 2 again, not the survivor alone.
+        assert after and {ln["world"] for ln in after[-6:]} == {2}, lines[-10:]
+        assert {ln["rank"] for ln in after[-6:]} == {0, 1}, after[-6:]
+        assert max(ln["step"] for ln in lines) == 99, out
+        events = read_events(tmp / "flexrun-runs" / f"slurm-{job}")
+        finished = [e for e in events if e["event"] == "job_finished"]
+        assert finished and all(e["exit_code"] == 0 for e in finished), (finished, out)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
 
 
 def _template(name: str, command: str) -> str:

@@ -162,9 +162,16 @@ def test_an_endpoint_given_is_elastic_with_the_allocations_size(script: str) -> 
     assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
 
 
-def test_a_max_below_the_steps_tasks_is_refused(script: str) -> None:
-    with pytest.raises(ConfigError, match="MAX must be at least 3"):
-        cfg(["--nnodes", "1:2", script], step_env(nodes=3))
+def test_a_max_below_the_steps_tasks_leaves_spare_nodes(script: str) -> None:
+    # 3 tasks, --nnodes 1:2: two train, the third agent waits on standby as a spare node.
+    c = cfg(["--nnodes", "1:2", script], step_env(rank=2, nodes=3))
+    assert c.static is None and c.store.endpoints == (("gpu07", PORT_BASE + 2 * 4711),)
+    assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
+
+
+def test_a_static_node_count_below_the_steps_tasks_is_refused(script: str) -> None:
+    with pytest.raises(ConfigError, match="--nnodes MIN:2 to keep 1 of them as spare"):
+        cfg(["--nnodes", "2", script], step_env(nodes=3))
 
 
 # -- what must never happen: a multi-node job training as independent one-node jobs ------------

@@ -13,6 +13,8 @@ The forms (docs/user/slurm.md):
   --master-addr <first host of the step> --master-port <port from the job id>``;
 - elastic, when ``--nnodes MIN:MAX``, ``--rdzv-endpoint`` or an elastic ``--rdzv-backend``
   is given: ``--rdzv-backend c10d --rdzv-endpoint <first host>:<port from the job id>``;
+  a MAX below the step's task count leaves the other tasks as spare nodes: their agents
+  wait on standby and join the round that replaces a lost member;
 
 and ``--rdzv-id`` is the job id (``<array job id>_<task id>`` for an array task) in both.
 One flexrun per node (``--ntasks-per-node=1``) is the usual step; several tasks per node
@@ -264,10 +266,19 @@ def apply_slurm_defaults(a: MutableMapping[str, Any], environ: Mapping[str, str]
     )
     if nnodes_given:
         lo, hi = parse_nnodes(str(a["nnodes"]))
-        if hi < step.tasks:
+        if hi < step.tasks and not elastic:
             raise ConfigError(
                 f"--nnodes {a['nnodes']} but the Slurm step runs {step.tasks} flexrun tasks: "
-                f"MAX must be at least {step.tasks} (or srun fewer tasks)"
+                f"give --nnodes {step.tasks}, or --nnodes MIN:{hi} to keep "
+                f"{step.tasks - hi} of them as spare nodes"
+            )
+        if hi < step.tasks:
+            log.info(
+                "Slurm step of %d tasks, --nnodes %s: %d spare node(s) wait on standby and "
+                "join when a member is lost",
+                step.tasks,
+                a["nnodes"],
+                step.tasks - hi,
             )
     if elastic:
         if not _given(a, environ, "rdzv_backend") or backend == "static":
