@@ -5,7 +5,8 @@
   1 jobs), ends COMPLETED, and says nothing about an unreachable store at the end;
 - a job killed mid-run (every agent and worker SIGKILLed) and requeued keeps its job id,
   so its run id and run directory: the relaunch resumes from the checkpoint with no hang
-  declared and no restart spent;
+  declared and no restart spent, and ends with the parameters of an uninterrupted run, bit
+  for bit;
 - a 3-node allocation running ``--nnodes 1:2``: the third node waits as a spare and takes
   the place of a member whose host dies; the job ends COMPLETED;
 - an elastic job (``--nnodes 1:2``, ``srun --no-kill``) whose second host dies (slurmd and
@@ -19,12 +20,15 @@ Skipped, saying why, where Slurm/munge are not installed or namespaces cannot be
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_support import SlurmCluster, missing, slurm_cluster
 from support import read_events, read_progress, wait_for
 
@@ -91,6 +95,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
 ) -> None:
     tmp = slurm.tmp
     ckpt = tmp / "ckpt.pt"
+    train = ("--steps", "50", "--step-time", "0.2", "--ckpt-every", "5", "--step-seeded")
     flexrun = _flexrun(
         "--nproc-per-node",
         "1",
@@ -98,7 +103,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
         "0",
         "--hang-timeout",
         "3",
-        _ddp(tmp, "--steps", "50", "--step-time", "0.2", "--ckpt", str(ckpt), "--ckpt-every", "5"),
+        _ddp(tmp, *train, "--ckpt", str(ckpt), "--final", str(tmp / "final.pt")),
     )
     job = slurm.sbatch(
         _batch(
@@ -140,6 +145,34 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     events = read_events(tmp / "flexrun-runs" / f"slurm-{job}")
     assert not [e for e in events if e["event"] in ("hang_detected", "failure")], events
     assert "no progress" not in out and "did not answer" not in out, out
+    # The same training never interrupted (one host, the same world of 2) ends with the
+    # same parameters, bit for bit.
+    ref = tmp / "reference"
+    ref.mkdir()
+    done = subprocess.run(
+        [
+            *_flexrun("--standalone", "--nproc-per-node", "2", "--run-dir", str(ref / "run"))
+            .split(),
+            str(SCRIPTS / "ddp_steps.py"),
+            *train,
+            "--step-time",
+            "0",
+            "--ckpt",
+            str(ref / "ckpt.pt"),
+            "--final",
+            str(ref / "final.pt"),
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = torch.load(tmp / "final.pt", weights_only=True)
+    want = torch.load(ref / "final.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), (got, want)
 
 
 @pytest.mark.timeout(300)
