@@ -3,6 +3,8 @@
 
 - ``srun flexrun run train.py`` alone trains one world over both nodes (never two world-size
   1 jobs), ends COMPLETED, and says nothing about an unreachable store at the end;
+- one task per GPU (2 nodes x 2 tasks, one worker each): ``RANK`` is ``SLURM_PROCID``,
+  ``LOCAL_RANK`` is ``SLURM_LOCALID``;
 - a job killed mid-run (every agent and worker SIGKILLed) and requeued keeps its job id,
   so its run id and run directory: the relaunch resumes from the checkpoint with no hang
   declared and no restart spent, and ends with the parameters of an uninterrupted run, bit
@@ -89,6 +91,28 @@ def test_srun_flexrun_run_alone_trains_one_world_over_both_nodes(slurm: SlurmClu
         assert noise not in out, out
 
 
+@pytest.mark.timeout(240)
+def test_one_task_per_gpu_takes_rank_and_local_rank_from_slurm(slurm: SlurmCluster) -> None:
+    # 2 nodes x 2 tasks, one worker each: the agents spawn no local ranks of their own.
+    tmp = slurm.tmp
+    job = slurm.sbatch(
+        _batch(f"srun {_flexrun('--nproc-per-node', '1', _ddp(tmp, '--steps', '10'))}"),
+        "-N2",
+        "--ntasks-per-node=2",
+        f"--chdir={tmp}",
+        f"--output={tmp}/job.out",
+    )
+    info = slurm.wait_job(job, 180)
+    out = _out(slurm)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
+    lines = read_progress(tmp / "progress.jsonl")
+    assert {ln["world"] for ln in lines} == {4}, lines
+    # RANK is SLURM_PROCID (block distribution: 0 and 1 on n1), LOCAL_RANK SLURM_LOCALID.
+    placed = {(ln["rank"], ln["local_rank"], ln["host"]) for ln in lines}
+    assert placed == {(0, 0, "n1"), (1, 1, "n1"), (2, 0, "n2"), (3, 1, "n2")}, placed
+    assert max(ln["step"] for ln in lines) == 9
+
+
 @pytest.mark.timeout(300)
 def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     slurm: SlurmCluster,
@@ -151,8 +175,9 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     ref.mkdir()
     done = subprocess.run(
         [
-            *_flexrun("--standalone", "--nproc-per-node", "2", "--run-dir", str(ref / "run"))
-            .split(),
+            *_flexrun(
+                "--standalone", "--nproc-per-node", "2", "--run-dir", str(ref / "run")
+            ).split(),
             str(SCRIPTS / "ddp_steps.py"),
             *train,
             "--step-time",

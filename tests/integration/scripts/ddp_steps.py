@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -87,6 +88,7 @@ for step in range(start, a.steps):
                 "local_rank": local_rank,
                 "step": step,
                 "pid": os.getpid(),
+                "host": socket.gethostname(),
             }
         )
         fd = os.open(a.progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
