@@ -217,6 +217,16 @@ class SlurmCluster:
                         killed.append(pid)
         return killed
 
+    def host_of(self, pid: int) -> str | None:
+        """The compute host process ``pid`` runs on (None: gone, or on none of them)."""
+        for name, ns in self.node_ns.items():
+            out = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
+            ).stdout
+            if str(pid) in out.split():
+                return name
+        return None
+
     def logs(self) -> str:
         parts = []
         for log in sorted(self.tmp.glob("*.log")):

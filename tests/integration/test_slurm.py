@@ -3,9 +3,14 @@
 
 - ``srun flexrun run train.py`` alone trains one world over both nodes (never two world-size
   1 jobs), ends COMPLETED, and says nothing about an unreachable store at the end;
+- one task per GPU (2 nodes x 2 tasks, one worker each): ``RANK`` is ``SLURM_PROCID``,
+  ``LOCAL_RANK`` is ``SLURM_LOCALID``;
 - a job killed mid-run (every agent and worker SIGKILLed) and requeued keeps its job id,
   so its run id and run directory: the relaunch resumes from the checkpoint with no hang
-  declared and no restart spent;
+  declared and no restart spent, and ends with the parameters of an uninterrupted run, bit
+  for bit;
+- a 3-node allocation running ``--nnodes 1:2``: the third node waits as a spare and takes
+  the place of a member whose host dies; the job ends COMPLETED;
 - an elastic job (``--nnodes 1:2``, ``srun --no-kill``) whose second host dies (slurmd and
   the job's processes there killed) finishes on the first and ends COMPLETED;
 - ``examples/slurm/static.sbatch`` as a user copies it: the time-limit warning (SIGTERM to
@@ -17,12 +22,15 @@ Skipped, saying why, where Slurm/munge are not installed or namespaces cannot be
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_support import SlurmCluster, missing, slurm_cluster
 from support import read_events, read_progress, wait_for
 
@@ -83,12 +91,35 @@ def test_srun_flexrun_run_alone_trains_one_world_over_both_nodes(slurm: SlurmClu
         assert noise not in out, out
 
 
+@pytest.mark.timeout(240)
+def test_one_task_per_gpu_takes_rank_and_local_rank_from_slurm(slurm: SlurmCluster) -> None:
+    # 2 nodes x 2 tasks, one worker each: the agents spawn no local ranks of their own.
+    tmp = slurm.tmp
+    job = slurm.sbatch(
+        _batch(f"srun {_flexrun('--nproc-per-node', '1', _ddp(tmp, '--steps', '10'))}"),
+        "-N2",
+        "--ntasks-per-node=2",
+        f"--chdir={tmp}",
+        f"--output={tmp}/job.out",
+    )
+    info = slurm.wait_job(job, 180)
+    out = _out(slurm)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
+    lines = read_progress(tmp / "progress.jsonl")
+    assert {ln["world"] for ln in lines} == {4}, lines
+    # RANK is SLURM_PROCID (block distribution: 0 and 1 on n1), LOCAL_RANK SLURM_LOCALID.
+    placed = {(ln["rank"], ln["local_rank"], ln["host"]) for ln in lines}
+    assert placed == {(0, 0, "n1"), (1, 1, "n1"), (2, 0, "n2"), (3, 1, "n2")}, placed
+    assert max(ln["step"] for ln in lines) == 9
+
+
 @pytest.mark.timeout(300)
 def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     slurm: SlurmCluster,
 ) -> None:
     tmp = slurm.tmp
     ckpt = tmp / "ckpt.pt"
+    train = ("--steps", "50", "--step-time", "0.2", "--ckpt-every", "5", "--step-seeded")
     flexrun = _flexrun(
         "--nproc-per-node",
         "1",
@@ -96,7 +127,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
         "0",
         "--hang-timeout",
         "3",
-        _ddp(tmp, "--steps", "50", "--step-time", "0.2", "--ckpt", str(ckpt), "--ckpt-every", "5"),
+        _ddp(tmp, *train, "--ckpt", str(ckpt), "--final", str(tmp / "final.pt")),
     )
     job = slurm.sbatch(
         _batch(
@@ -138,6 +169,35 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
     events = read_events(tmp / "flexrun-runs" / f"slurm-{job}")
     assert not [e for e in events if e["event"] in ("hang_detected", "failure")], events
     assert "no progress" not in out and "did not answer" not in out, out
+    # The same training never interrupted (one host, the same world of 2) ends with the
+    # same parameters, bit for bit.
+    ref = tmp / "reference"
+    ref.mkdir()
+    done = subprocess.run(
+        [
+            *_flexrun(
+                "--standalone", "--nproc-per-node", "2", "--run-dir", str(ref / "run")
+            ).split(),
+            str(SCRIPTS / "ddp_steps.py"),
+            *train,
+            "--step-time",
+            "0",
+            "--ckpt",
+            str(ref / "ckpt.pt"),
+            "--final",
+            str(ref / "final.pt"),
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = torch.load(tmp / "final.pt", weights_only=True)
+    want = torch.load(ref / "final.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), (got, want)
 
 
 @pytest.mark.timeout(300)
@@ -182,6 +242,64 @@ def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster)
     # With --no-kill on sbatch and srun, the survivor's exit is the step's: Slurm's
     # accounting shows a finished job, not the lost node's task.
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_node_of_the_allocation_takes_a_lost_members_place() -> None:
+    # 3 nodes, --nnodes 1:2: two train, the third agent waits on standby (a spare node).
+    with slurm_cluster(nodes=3) as slurm:
+        tmp = slurm.tmp
+        job = slurm.sbatch(
+            _batch(
+                "srun --no-kill --kill-on-bad-exit=0 "
+                + _flexrun(
+                    "--nnodes",
+                    "1:2",
+                    "--nproc-per-node",
+                    "1",
+                    _ddp(tmp, "--steps", "100", "--step-time", "0.2"),
+                )
+            ),
+            "-N3",
+            "--ntasks-per-node=1",
+            "--no-kill",
+            f"--chdir={tmp}",
+            f"--output={tmp}/job.out",
+        )
+        progress = tmp / "progress.jsonl"
+        wait_for(
+            lambda: progress.exists() and len(read_progress(progress)) >= 20,
+            150,
+            "training on 2 of the 3 nodes",
+        )
+        assert {ln["world"] for ln in read_progress(progress)} == {2}
+        # The workers' hosts (a worker is a warm spare's fork: found by its pid, not its name).
+        pids = {ln["pid"] for ln in read_progress(progress)[-6:]}
+        members = sorted({h for h in map(slurm.host_of, pids) if h is not None})
+        assert len(members) == 2, (members, pids)
+        (spare,) = set(slurm.node_ns) - set(members)
+        # The first host holds the c10d store (its loss is STORE_LOST): lose the other member.
+        lost = next(h for h in members if h != "n1")
+        killed_at = time.time()
+        slurm.kill_slurmd(lost)
+
+        def spare_trains() -> bool:
+            recent = [ln for ln in read_progress(progress) if ln["ts"] > killed_at]
+            return any(slurm.host_of(ln["pid"]) == spare for ln in recent[-4:])
+
+        wait_for(spare_trains, 90, "the spare node training")
+        info = slurm.wait_job(job, 200)
+        out = _out(slurm)
+        lines = read_progress(progress)
+        after = [ln for ln in lines if ln["ts"] > killed_at + 1]
+        # The spare took the lost member's place: the world is 2 again, not the survivor alone.
+        assert after and {ln["world"] for ln in after[-6:]} == {2}, lines[-10:]
+        assert {ln["rank"] for ln in after[-6:]} == {0, 1}, after[-6:]
+        assert max(ln["step"] for ln in lines) == 99, out
+        events = read_events(tmp / "flexrun-runs" / f"slurm-{job}")
+        finished = [e for e in events if e["event"] == "job_finished"]
+        assert finished and all(e["exit_code"] == 0 for e in finished), (finished, out)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{out}"
 
 
 def _template(name: str, command: str) -> str:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from flexrun.agent.spec import apply_settings
 from flexrun.cli import build_parser
 from flexrun.config import RunConfig, run_config_from_args
-from flexrun.config.slurm import PORT_BASE, expand_hostlist, step_of
+from flexrun.config.slurm import PORT_BASE, expand_hostlist, step_of, tasks_per_node
 from flexrun.errors import ConfigError
 
 
@@ -162,9 +163,16 @@ def test_an_endpoint_given_is_elastic_with_the_allocations_size(script: str) -> 
     assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
 
 
-def test_a_max_below_the_steps_tasks_is_refused(script: str) -> None:
-    with pytest.raises(ConfigError, match="MAX must be at least 3"):
-        cfg(["--nnodes", "1:2", script], step_env(nodes=3))
+def test_a_max_below_the_steps_tasks_leaves_spare_nodes(script: str) -> None:
+    # 3 tasks, --nnodes 1:2: two train, the third agent waits on standby as a spare node.
+    c = cfg(["--nnodes", "1:2", script], step_env(rank=2, nodes=3))
+    assert c.static is None and c.store.endpoints == (("gpu07", PORT_BASE + 2 * 4711),)
+    assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
+
+
+def test_a_static_node_count_below_the_steps_tasks_is_refused(script: str) -> None:
+    with pytest.raises(ConfigError, match="--nnodes MIN:2 to keep 1 of them as spare"):
+        cfg(["--nnodes", "2", script], step_env(nodes=3))
 
 
 # -- what must never happen: a multi-node job training as independent one-node jobs ------------
@@ -206,3 +214,50 @@ def test_outside_slurm_nothing_changes(script: str, caplog: pytest.LogCaptureFix
     caplog.set_level(logging.DEBUG)
     c = cfg([script], {})
     assert c.static is None and c.run_id.startswith("local-")
+
+
+# -- one task per GPU --------------------------------------------------------------------------
+def per_gpu_env(procid: int, **extra: str) -> dict[str, str]:
+    """A task of ``srun -N2 --ntasks-per-node=2`` (block distribution: 0, 1 on gpu07)."""
+    return step_env(
+        rank=procid,
+        SLURM_NODEID=str(procid // 2),
+        SLURM_LOCALID=str(procid % 2),
+        SLURM_STEP_NUM_TASKS="4",
+        SLURM_NTASKS="4",
+        SLURM_STEP_TASKS_PER_NODE="2(x2)",
+        **extra,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"), [("1", [1]), ("2(x3),1", [2, 2, 2, 1]), ("8(x2)", [8, 8]), ("", [])]
+)
+def test_tasks_per_node_expand_as_slurm_writes_them(text: str, counts: list[int]) -> None:
+    assert tasks_per_node(text) == counts
+
+
+def test_tasks_per_node_in_another_syntax_is_refused() -> None:
+    with pytest.raises(ConfigError, match="SLURM_STEP_TASKS_PER_NODE"):
+        tasks_per_node("2x3")
+
+
+def test_one_task_per_gpu_takes_rank_and_local_rank_from_the_task(script: str) -> None:
+    c = cfg(["--nproc-per-node", "1", script], per_gpu_env(3))
+    assert c.static is not None and (c.static.nnodes, c.static.node_rank) == (4, 3)
+    assert c.worker.slurm_task == (1, 2)
+    env: dict[str, str] = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    apply_settings(env, c, 0)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2")
+
+
+def test_a_task_bound_to_one_gpu_sees_it_as_local_rank_0(script: str) -> None:
+    c = cfg(["--nproc-per-node", "1", script], per_gpu_env(3, CUDA_VISIBLE_DEVICES="3"))
+    env: dict[str, str] = {}
+    apply_settings(env, c, 0)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "2")
+
+
+def test_several_workers_per_task_keep_the_agents_local_ranks(script: str) -> None:
+    assert cfg(["--nproc-per-node", "2", script], per_gpu_env(1)).worker.slurm_task is None
+    assert cfg([script], step_env(rank=1)).worker.slurm_task is None  # one task per node

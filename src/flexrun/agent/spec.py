@@ -3,8 +3,9 @@
 Owns the names and values of every variable a worker sees; spawns nothing. With
 ``settings`` (the run's :class:`~flexrun.config.RunConfig`) it also applies what the
 configuration decided for workers: the network interface defaults of a multi-host job,
-and ``--virtual-local-rank``. (torchrun's ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is in
-``WorkerSpec.environ``: torchrun exports it from the launcher, so it is inherited.)
+``--virtual-local-rank``, and the local rank of one Slurm task per GPU. (torchrun's
+``TORCHELASTIC_SIGNALS_TO_HANDLE`` is in ``WorkerSpec.environ``: torchrun
+exports it from the launcher, so it is inherited.)
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def apply_settings(env: dict[str, str], settings: RunConfig, local_rank: int) ->
         # that is a loopback address, and a multi-host job then hangs after the rendezvous.
         env.setdefault("GLOO_SOCKET_IFNAME", settings.socket_ifname)
         env.setdefault("NCCL_SOCKET_IFNAME", "=" + settings.socket_ifname)
+    if settings.worker.slurm_task is not None:
+        # One Slurm task per GPU: the local rank is the task's, unless the task was bound to
+        # a single device (--gpus-per-task=1), which is then its device 0.
+        local_id, node_tasks = settings.worker.slurm_task
+        visible = settings.worker.environ.get("CUDA_VISIBLE_DEVICES")
+        bound = visible is not None and len([d for d in visible.split(",") if d.strip()]) == 1
+        env["LOCAL_RANK"] = "0" if bound else str(local_id)
+        env["LOCAL_WORLD_SIZE"] = str(node_tasks)
     if settings.worker.virtual_local_rank:
         visible = settings.worker.environ.get("CUDA_VISIBLE_DEVICES")
         devices = [d.strip() for d in visible.split(",")] if visible is not None else None

@@ -301,6 +301,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
             run_path=run_path,
             python_exec=environ.get("PYTHON_EXEC") or sys.executable,
             virtual_local_rank=bool(a.get("virtual_local_rank")),
+            slurm_task=a.get("slurm_task") if nproc == 1 else None,
             numa_binding=numa_mode or None,
             numa_cpus=numa.cpus_per_local_rank(numa_mode, nproc) if numa_mode else (),
             # torchrun exports it to its own environment, so every worker inherits it.

@@ -63,6 +63,10 @@ class WorkerSpec:
     virtual_local_rank: bool = False
     """``--virtual-local-rank``: every worker sees ``LOCAL_RANK=0`` and
     ``CUDA_VISIBLE_DEVICES`` = its own device (``worker_envs`` does it)."""
+    slurm_task: tuple[int, int] | None = None
+    """A Slurm step of several tasks on this node (one per GPU) whose agent runs one worker:
+    (``SLURM_LOCALID``, tasks on this node), the worker's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (``worker_envs`` does it; :mod:`flexrun.config.slurm`)."""
     numa_binding: str | None = None
     """``--numa-binding`` mode (node, socket, exclusive, core-complex) or None."""
     numa_cpus: tuple[frozenset[int], ...] = ()

@@ -13,10 +13,13 @@ The forms (docs/user/slurm.md):
   --master-addr <first host of the step> --master-port <port from the job id>``;
 - elastic, when ``--nnodes MIN:MAX``, ``--rdzv-endpoint`` or an elastic ``--rdzv-backend``
   is given: ``--rdzv-backend c10d --rdzv-endpoint <first host>:<port from the job id>``;
+  a MAX below the step's task count leaves the other tasks as spare nodes: their agents
+  wait on standby and join the round that replaces a lost member;
 
 and ``--rdzv-id`` is the job id (``<array job id>_<task id>`` for an array task) in both.
-One flexrun per node (``--ntasks-per-node=1``) is the usual step; several tasks per node
-each count as a node of their own (their rank is ``SLURM_PROCID``).
+One flexrun per node (``--ntasks-per-node=1``) is the usual step. Several tasks per node (one
+per GPU) each count as a node of their own (their rank is ``SLURM_PROCID``) and, with one
+worker each, that worker's local rank is the task's ``SLURM_LOCALID`` (``WorkerSpec.slurm_task``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ class SlurmStep:
     in_step: bool
     """Inside an ``srun`` step (else: a batch script or an ``salloc`` shell)."""
     nodes: int
+    local_id: int = 0
+    """``SLURM_LOCALID``: this task's index among the step's tasks on this node."""
+    node_tasks: int = 1
+    """The step's tasks on this node (from ``SLURM_STEP_TASKS_PER_NODE``)."""
 
     @property
     def port(self) -> int:
@@ -72,6 +79,21 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r}: expected an integer (set by Slurm)") from None
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """Slurm's per-node task counts, expanded: ``2(x3),1`` -> [2, 2, 2, 1].
+
+    Raises:
+        ConfigError: not in that syntax.
+    """
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if m is None or int(m.group(2) or 1) > 100_000:
+            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={text!r}: expected e.g. 2(x3),1")
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
 
 
 def step_of(environ: Mapping[str, str]) -> SlurmStep | None:
@@ -105,7 +127,13 @@ def step_of(environ: Mapping[str, str]) -> SlurmStep | None:
         raise ConfigError(
             f"SLURM_PROCID={rank} with {tasks} tasks in the step: not a rank of the step"
         )
+    per_node = tasks_per_node(
+        environ.get("SLURM_STEP_TASKS_PER_NODE", "") or environ.get("SLURM_TASKS_PER_NODE", "")
+    )
+    node_index = _int(environ, "SLURM_NODEID") or 0
     return SlurmStep(
+        local_id=_int(environ, "SLURM_LOCALID") or 0,
+        node_tasks=per_node[node_index] if node_index < len(per_node) else 1,
         job_id=job_id,
         run_id=run_id,
         tasks=tasks,
@@ -255,6 +283,9 @@ def apply_slurm_defaults(a: MutableMapping[str, Any], environ: Mapping[str, str]
             "cannot tell the head host; give --master-addr or --rdzv-endpoint"
         )
     fill("rdzv_id", step.run_id)
+    if step.node_tasks > 1:
+        # One task per GPU: with one worker each, the worker's local rank is the task's.
+        a["slurm_task"] = (step.local_id, step.node_tasks)
     backend = str(a.get("rdzv_backend") or "static").strip().lower()
     nnodes_given = _given(a, environ, "nnodes")
     elastic = (
@@ -264,10 +295,19 @@ def apply_slurm_defaults(a: MutableMapping[str, Any], environ: Mapping[str, str]
     )
     if nnodes_given:
         lo, hi = parse_nnodes(str(a["nnodes"]))
-        if hi < step.tasks:
+        if hi < step.tasks and not elastic:
             raise ConfigError(
                 f"--nnodes {a['nnodes']} but the Slurm step runs {step.tasks} flexrun tasks: "
-                f"MAX must be at least {step.tasks} (or srun fewer tasks)"
+                f"give --nnodes {step.tasks}, or --nnodes MIN:{hi} to keep "
+                f"{step.tasks - hi} of them as spare nodes"
+            )
+        if hi < step.tasks:
+            log.info(
+                "Slurm step of %d tasks, --nnodes %s: %d spare node(s) wait on standby and "
+                "join when a member is lost",
+                step.tasks,
+                a["nnodes"],
+                step.tasks - hi,
             )
     if elastic:
         if not _given(a, environ, "rdzv_backend") or backend == "static":

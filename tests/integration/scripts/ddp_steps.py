@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -22,6 +23,13 @@ p.add_argument("--step-time", type=float, default=0.05)
 p.add_argument("--ckpt", default="")
 p.add_argument("--ckpt-every", type=int, default=5)
 p.add_argument("--progress", default="")
+p.add_argument(
+    "--step-seeded",
+    action="store_true",
+    help="each step's data from a generator seeded by (step, rank): a run resumed from a "
+    "checkpoint sees the data an uninterrupted one saw (bitwise comparisons)",
+)
+p.add_argument("--final", default="", help="rank 0 writes the final parameters here")
 p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises ValueError at step 0")
 p.add_argument("--on-sigterm", default="", help="write PATH.<rank> and exit 143 on SIGTERM")
 p.add_argument(
@@ -62,6 +70,8 @@ gen = torch.Generator().manual_seed(1234 + rank)
 for step in range(start, a.steps):
     if rank == a.fail_rank:
         raise ValueError(f"deliberate failure on rank {rank} at step {step}")
+    if a.step_seeded:
+        gen.manual_seed(1234 + 100_003 * step + rank)
     x = torch.randn(32, 16, generator=gen)
     loss = model(x).pow(2).mean()
     opt.zero_grad()
@@ -78,6 +88,7 @@ for step in range(start, a.steps):
                 "local_rank": local_rank,
                 "step": step,
                 "pid": os.getpid(),
+                "host": socket.gethostname(),
             }
         )
         fd = os.open(a.progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -90,5 +101,8 @@ for step in range(start, a.steps):
         )
         os.replace(tmp, a.ckpt)
 
+if rank == 0 and a.final:
+    torch.save(model.module.state_dict(), a.final + ".tmp")
+    os.replace(a.final + ".tmp", a.final)
 dist.barrier()
 dist.destroy_process_group()
