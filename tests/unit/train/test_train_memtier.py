@@ -165,3 +165,23 @@ def test_the_sharded_checkpointer_refuses_the_memory_tier(tmp_path: Path) -> Non
     for kw in ({"durable_every": 20}, {"memory_dir": str(tmp_path)}):
         with pytest.raises(CheckpointError, match="ShardedCheckpointer has no memory tier"):
             ShardedCheckpointer(tmp_path / "ck", ctx=single_process_context(), **kw)
+
+
+def test_a_memory_filesystem_that_fails_turns_the_tier_off_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    m, o = _model()
+    c = _ckpt(tmp_path, m, o)
+    _step(m, o)
+    c.save(1)
+    c.wait()
+    shutil.rmtree(tmp_path / "shm")  # the memory directory vanished (ENOENT on write)
+    for s in range(2, 8):
+        _step(m, o)
+        c.save(s)
+    c.close()
+    off = _events(tmp_path, "checkpoint_memory_off")
+    assert len(off) == 1 and "memory copy failed" in off[0]["reason"], off
+    assert c.steps() == [1, 6]
