@@ -11,6 +11,13 @@ For a ~50M-parameter model with Adam state, in one process and one run:
 
 Usage: python bench/bench_checkpoint.py [--dir DIR] [--repeats 2] [--share 0.2 ...]
        [--normal-priority] [--copy-in-save] [--stores local,s3] [--s3-endpoint URL]
+       python bench/bench_checkpoint.py --memory-tier [--blocks 3] [--block-steps 20]
+
+``--memory-tier`` measures the memory tier instead (issue 34): the same loop with no
+checkpoint at all and with ``save()`` every step (``Checkpointer(durable_every=20)``,
+copies under ``/dev/shm``), in alternating blocks of ``--block-steps`` steps in one run;
+it reports the median step of each, their ratio, the stall per save and the memory the
+copies take, next to a synchronous ``torch.save``.
 
 The headline rows are Checkpointer's DEFAULT settings and the unpaced variant
 (``persist_cpu_share=None``); the flags add variants for contrast. ``--stores local,s3``
@@ -106,6 +113,71 @@ def s3_target(endpoint: str) -> tuple[str, dict[str, Any]]:
     return f"s3://{bucket}", options
 
 
+def memory_tier(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    root: str,
+    *,
+    blocks: int,
+    block_steps: int,
+    durable_every: int,
+) -> None:
+    """No checkpoint vs a save every step with the memory tier, alternating blocks."""
+    shm = tempfile.mkdtemp(prefix="flexrun-bench-mem-", dir="/dev/shm")
+    try:
+        ck = Checkpointer(
+            os.path.join(root, "memtier"),
+            ctx=single_process_context(),
+            keep_last=1,
+            durable_every=durable_every,
+            memory_dir=shm,
+        )
+        ck.register("model", model)
+        ck.register("optim", opt)
+        plain: list[float] = []
+        saving: list[float] = []
+        stalls: list[float] = []
+        n = 0
+        for b in range(blocks):
+            plain += [step(model, opt, x) for _ in range(block_steps)]
+            block = []
+            for _ in range(block_steps):
+                t0 = time.perf_counter()
+                model(x).square().mean().backward()
+                opt.step()  # (waits for the previous save's deferred copy, if any)
+                opt.zero_grad(set_to_none=True)
+                n += 1
+                ck.save(n)
+                block.append(time.perf_counter() - t0)
+                stalls.append(ck.last_stall_s)
+            saving += block[1:] if b == 0 else block  # (the very first save allocates)
+            print(
+                f"block {b + 1}: no checkpoint median {statistics.median(plain[-block_steps:]) * 1e3:.1f} ms"
+                f", save every step median {statistics.median(block) * 1e3:.1f} ms"
+            )
+        ck.close()
+        copies = sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(shm) for f in files
+        )
+        durable = ck.steps()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    p, m = statistics.median(plain), statistics.median(saving)
+    print()
+    print(f"step, no checkpoint (median, n={len(plain)})       : {p * 1e3:.1f} ms")
+    print(f"step, save() every step (median, n={len(saving)})  : {m * 1e3:.1f} ms")
+    print(f"ratio (memory tier / no checkpoint)          : {m / p:.3f}   (target <= 1.03)")
+    print(
+        f"same, means                                  : {statistics.fmean(saving) / statistics.fmean(plain):.3f}"
+    )
+    print(
+        f"stall per save (save() + optimizer.step()'s wait, median): {statistics.median(stalls) * 1e3:.1f} ms"
+    )
+    print(f"memory copies on this node at the end        : {copies / 2**20:.0f} MiB (2 kept)")
+    print(f"durable checkpoints written (durable_every={durable_every}): steps {durable}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
@@ -120,6 +192,10 @@ def main() -> None:
     ap.add_argument("--copy-in-save", action="store_true", help="add a defer_copy=False variant")
     ap.add_argument("--stores", default="local", help="comma-separated: local, s3")
     ap.add_argument("--s3-endpoint", default=None, help="S3 API endpoint (default: start moto)")
+    ap.add_argument("--memory-tier", action="store_true", help="measure the memory tier only")
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--block-steps", type=int, default=20)
+    ap.add_argument("--durable-every", type=int, default=20)
     args = ap.parse_args()
     stores = [x.strip() for x in args.stores.split(",") if x.strip()]
     server = S3Server() if "s3" in stores and args.s3_endpoint is None else None
@@ -142,6 +218,19 @@ def main() -> None:
     syncs = [sync_save(model, opt, os.path.join(root, "sync.pt")) for _ in range(args.repeats)]
     sync_s = statistics.median(syncs)
     print(f"sync torch.save+fsync: median {sync_s:.3f} s  ({', '.join(f'{s:.3f}' for s in syncs)})")
+    if args.memory_tier:
+        memory_tier(
+            model,
+            opt,
+            x,
+            root,
+            blocks=args.blocks,
+            block_steps=args.block_steps,
+            durable_every=args.durable_every,
+        )
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        return
 
     results: dict[str, tuple[float, list[float], float]] = {}
     variants: list[tuple[str, dict[str, object]]] = [

@@ -47,7 +47,7 @@ ALLOWED: dict[str, str] = {
     ),
     "flexrun-variables": (
         "Workers also see FLEXRUN_ROUND, FLEXRUN_RUN_DIR, FLEXRUN_RUN_ID and FLEXRUN_NODE "
-        "(and live mode's own FLEXRUN variables)."
+        "(restart mode also FLEXRUN_MEMORY_DIR, and live mode its own FLEXRUN variables)."
     ),
     "random-run-id": (
         "Without --rdzv-id, a one-host job's TORCHELASTIC_RUN_ID is standalone-HEX or "

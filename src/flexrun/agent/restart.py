@@ -18,6 +18,7 @@ from pathlib import Path
 from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import AttemptOutputs
+from flexrun.agent.memdir import create_memory_dir, remove_memory_dir
 from flexrun.agent.policy import Exited, WorkerExit, blame_hang
 from flexrun.agent.progress import ProgressBook
 from flexrun.agent.runner import RoundStart
@@ -81,6 +82,8 @@ class RestartRunner:
             RecoverySettings.of(config.rendezvous, hang_timeout_s=config.hang_timeout_s)
         )
         self._warm_until = 0.0
+        self.memory_dir = create_memory_dir(config.run_id, node_id)
+        """Host memory for the workers' checkpoint copies (removed by :meth:`close`)."""
         self.outputs = AttemptOutputs(config)
         """The round's files and console (and ``--logs-specs``, ``--duplicate-*-filters``)."""
         self._command = build_command(
@@ -129,6 +132,7 @@ class RestartRunner:
             max_restarts=c.rendezvous.max_restarts,
             settings=c,
             agent_store=self.agent_store,
+            memory_dir=self.memory_dir,
         )
         log_dir = (c.output.log_dir or (c.output.run_dir / "logs")) / f"round_{rnd.number}"
         self._cold_workers = 0
@@ -323,6 +327,7 @@ class RestartRunner:
 
     def close(self) -> None:
         self.stop(0)
+        remove_memory_dir(self.memory_dir)
         if self._on_close is not None:
             self._on_close()
         if self.pool is not None:

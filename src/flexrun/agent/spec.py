@@ -45,9 +45,12 @@ def worker_envs(
     max_restarts: int,
     settings: RunConfig | None = None,
     agent_store: bool = False,
+    memory_dir: Path | None = None,
 ) -> list[dict[str, str]]:
     """One environment per local rank for round ``rnd``; ``agent_store``: the workers are
-    clients of a store their agent hosts at the master (see :mod:`flexrun.agent.worker_store`)."""
+    clients of a store their agent hosts at the master (see :mod:`flexrun.agent.worker_store`);
+    ``memory_dir``: the agent's directory for checkpoint copies in host memory
+    (``FLEXRUN_MEMORY_DIR``, :mod:`flexrun.agent.memdir`)."""
     group_rank = rnd.group_rank(node_id)
     if group_rank is None:
         raise ValueError(f"{node_id} is not in round {rnd.number}")
@@ -82,6 +85,8 @@ def worker_envs(
             FLEXRUN_RUN_ID=run_id,
             FLEXRUN_NODE=node_id,
         )
+        if memory_dir is not None:
+            env["FLEXRUN_MEMORY_DIR"] = str(memory_dir)
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")

@@ -23,29 +23,41 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError, StorageFailure
 from flexrun.events import EventLog
-from flexrun.storage_options import storage_options_from_env
 from flexrun.train.commit_object import open_commit
 from flexrun.train.context import TrainContext, current, single_process_context
+from flexrun.train.durable_load import (
+    EXTRA_FILE,
+    RNG_FILE,
+    Found,
+    newest_durable,
+    read_replicated,
+)
 from flexrun.train.layout import (
     CommitProtocol,
     FaultHook,
     Manifest,
-    verify,
 )
+from flexrun.train.memtier import MemoryTier
 from flexrun.train.objstore import ObjectStore
 from flexrun.train.options import DEFAULT_PERSIST_CPU_SHARE, CheckpointOptions
 from flexrun.train.persist import Persister
 from flexrun.train.progress import install_stack_dump
+from flexrun.train.rankzero import (
+    Loaded,
+    RankZero,
+    Stateful,
+    StorageOptions,
+    deferrable_tensors,
+    resolve_storage_options,
+)
 from flexrun.train.serialize import (
     load_weights_only,
     save_without_zip_crc,
@@ -63,111 +75,15 @@ __all__ = [
     "CheckpointOptions",
     "Checkpointer",
     "Loaded",
+    "RankZero",
     "Stateful",
+    "StorageOptions",
+    "resolve_storage_options",
     "load_weights_only",
     "save_without_zip_crc",
 ]
 
 log = logging.getLogger(__name__)
-
-RNG_FILE = "rng.pt"
-EXTRA_FILE = "extra.pt"
-
-StorageOptions = Mapping[str, Any] | Literal["env"] | None
-"""fsspec options for a URL directory, or ``"env"``: the JSON object a launcher put in
-``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS`` (``flexrun.train.objstore``)."""
-
-
-class Stateful(Protocol):
-    """Anything with ``state_dict()``/``load_state_dict()`` (modules, optimizers, samplers...)."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Loaded:
-    """What :meth:`Checkpointer.load` restored."""
-
-    step: int
-    """The step the checkpoint was saved at."""
-    extra: dict[str, Any]
-    """User extras passed to ``save(extra=...)`` (epoch, counters ...)."""
-    world_size: int
-    """World size of the run that saved it."""
-    skipped: tuple[int, ...]
-    """Newer checkpoints that failed verification and were skipped."""
-
-
-def resolve_storage_options(value: StorageOptions) -> dict[str, Any] | None:
-    """``storage_options`` as fsspec takes them (``"env"`` read from the environment).
-
-    Raises:
-        ConfigError: ``"env"`` and the variable is malformed or carries a credential.
-        CheckpointError: any other string.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value != "env":
-            raise CheckpointError(f"storage_options must be a mapping or 'env', got {value!r}")
-        return storage_options_from_env()
-    return dict(value)
-
-
-class RankZero:
-    """What both checkpointers share: rank 0 decides and tells the others; events."""
-
-    _ctx: TrainContext
-    _events: EventLog | None
-
-    def _setup_events(self, events: EventLog | None) -> None:
-        if events is None and self._ctx.run_dir is not None:
-            events = EventLog(self._ctx.run_dir, run_id=self._ctx.run_id, node=self._ctx.node)
-        if events is not None and events.round is None:
-            events.round = self._ctx.round
-        self._events = events
-
-    def _distributed(self) -> bool:
-        return self._ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self._distributed():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self._distributed():
-            return [obj]
-        out: list[Any] = [None] * self._ctx.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _emit(self, event: str, **fields: Any) -> None:
-        if self._events is not None and self._ctx.is_main:
-            try:
-                self._events.emit(event, rank=self._ctx.rank, **fields)
-            except OSError as exc:  # the run directory may share the full disk
-                log.warning("could not log the %s event: %s", event, exc)
-
-
-def deferrable_tensors(
-    optimizers: list[torch.optim.Optimizer],
-) -> Callable[[torch.Tensor], bool] | None:
-    """Tensors only ``optimizer.step()`` changes: parameters and optimizer state."""
-    if not optimizers:
-        return None
-    ptrs: set[int] = set()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            ptrs.update(p.data_ptr() for p in group["params"])
-        for st in opt.state.values():
-            ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-    ptrs.discard(0)
-    return lambda t: t.data_ptr() in ptrs
 
 
 class Checkpointer(RankZero):
@@ -241,6 +157,7 @@ class Checkpointer(RankZero):
             emit=self._emit,
             objects=lambda: list(self._objects),
         )
+        self._mem = MemoryTier.open(self.directory, self.options, self._ctx, self._events, clock)
         if self._ctx.is_main:
             try:
                 self._p.claim_fence()
@@ -267,12 +184,15 @@ class Checkpointer(RankZero):
 
     def _hold_step_until_copied(self, *_args: Any) -> None:
         self._p.hold_until_copied()
+        if self._mem is not None:
+            self._mem.hold_until_copied()
 
     @property
     def last_stall_s(self) -> float:
         """How long the last save blocked training: inside ``save()`` plus any wait of the
         next ``optimizer.step()`` for the deferred copy (so far)."""
-        return self._p._save_stall_s + self._p._copy_wait_s
+        mem = self._mem.saver if self._mem is not None else None
+        return self._p._save_stall_s + self._p._copy_wait_s + (mem.copy_wait_s if mem else 0)
 
     @property
     def directory(self) -> str:
@@ -318,18 +238,31 @@ class Checkpointer(RankZero):
             raise CheckpointError("save() after close()")
         opts = self.options
         t0 = self._clock.monotonic()
-        self._p.join()
+        mem = self._mem
+        durable = mem is None or mem.durable_now(step, blocking)
+        if durable:  # (a memory-only save lets a durable persist go on)
+            self._p.join()
+        if mem is not None:
+            mem.join()
         earlier = self._p.take_pending() if self._ctx.is_main else None
+        failed = None if earlier is None else str(earlier)
+        if failed is None and mem is not None:
+            failed = mem.take_error()
         rng = capture_rng() if opts.save_rng else None
-        # One collective tells every rank what rank 0 knows: they raise together instead
+        # One collective tells every rank what any knows: they raise together instead
         # of leaving the others blocked in their next collective.
-        out = self._gather((rng, None if earlier is None else str(earlier)))
+        out = self._gather((rng, failed))
         rngs = None if rng is None else [r for r, _ in out]
-        if out[0][1] is not None:
-            raise CheckpointError(out[0][1]) from earlier
+        errors = [e for _, e in out if e is not None]
+        if errors:
+            raise CheckpointError(errors[0]) from earlier
         error: CheckpointError | None = None
-        foreground = blocking or not opts.async_save
-        if self._ctx.is_main:
+        foreground = durable and (blocking or not opts.async_save)
+        if not (durable and self._ctx.is_main):
+            if mem is not None:
+                mem.save_copy(step, self._objects, extra, rngs, self._optimizers, opts.defer_copy)
+                self._p._save_stall_s, self._p._copy_wait_s = self._clock.monotonic() - t0, 0.0
+        else:
             background = not foreground
             defer = deferrable_tensors(self._optimizers) if background and opts.defer_copy else None
             states = {name: obj.state_dict() for name, obj in self._objects.items()}
@@ -348,6 +281,8 @@ class Checkpointer(RankZero):
                     self._p.persist(step, payload, background=False)
                 except CheckpointError as exc:
                     error = exc
+            if mem is not None:  # the same host copy, once the persist has made it
+                mem.start(step, payload, [], self._p._copied if background else None)
             self._p._save_stall_s = self._clock.monotonic() - t0
         if foreground and self._distributed():
             # Also the barrier of a blocking save: no rank goes on before the commit.
@@ -370,6 +305,8 @@ class Checkpointer(RankZero):
         err = self._p.take_pending()
         if err is not None:
             raise err
+        if self._mem is not None:
+            self._mem.wait()
 
     def close(self) -> None:
         """Wait for the in-flight persist; later saves are refused. Idempotent.
@@ -395,28 +332,18 @@ class Checkpointer(RankZero):
         """
         self.wait()
         t0 = self._clock.monotonic()
-        chosen: int | None = None
-        skipped: list[int] = []
-        loaded: tuple[Manifest, dict[str, Any]] | None = None
-        failure: str | None = None
-        reasons: list[str] = []
+        if self._mem is not None and step is None:
+            got = self._mem.choose(
+                max(self.steps(), default=None) if self._ctx.is_main else None, self._gather
+            )
+            if got is not None:
+                self._apply(got.state)
+                return got.report(self._emit, self._clock.monotonic() - t0)
+        found: Found = (None, None, [], None)
         if self._ctx.is_main:
             candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-            for s in candidates:
-                try:
-                    loaded = self._read(s)
-                    chosen = s
-                    break
-                except CheckpointError as exc:
-                    skipped.append(s)
-                    reasons.append(str(exc))
-                    self._emit("checkpoint_fallback", step=s, reason=str(exc))
-                    log.warning("checkpoint step %d unusable, falling back: %s", s, exc)
-            if chosen is None and candidates:
-                failure = (
-                    f"no checkpoint in {self.directory} verifies (tried {candidates}): "
-                    + "; ".join(reasons)
-                )
+            found = newest_durable(candidates, self._read, self._emit, self.directory)
+        chosen, loaded, skipped, failure = found
         chosen, failure = self._broadcast((chosen, failure))
         if failure is not None:
             raise CheckpointError(failure)
@@ -433,6 +360,7 @@ class Checkpointer(RankZero):
             load_s=round(self._clock.monotonic() - t0, 6),
             saved_world_size=manifest.world_size,
             skipped=skipped,
+            restored_from="durable",
         )
         return Loaded(
             step=chosen,
@@ -442,21 +370,9 @@ class Checkpointer(RankZero):
         )
 
     def _read(self, step: int) -> tuple[Manifest, dict[str, Any]]:
-        before = self._proto.fingerprint(step) if self._ctx.is_main else None
-        manifest, blobs = verify(self._proto, step)
-        state = {
-            name: load_weights_only(blob, what=f"step_{step}/{name}")
-            for name, blob in blobs.items()
-        }
-        missing = [n for n in self._objects if f"{n}.pt" not in state]
-        if missing:
-            raise CheckpointError(f"step_{step} lacks registered state {missing}")
-        if before is not None and before == self._proto.fingerprint(step):
-            self._p._verified.mark(self._proto, step)  # unchanged while it was read
-        return manifest, {
-            (k[: -len(".pt")] if k not in (RNG_FILE, EXTRA_FILE) else k): v
-            for k, v in state.items()
-        }
+        return read_replicated(
+            self._proto, step, list(self._objects), self._p._verified, self._ctx.is_main
+        )
 
     def _apply(self, state: dict[str, Any]) -> None:
         for name, obj in self._objects.items():

@@ -47,6 +47,8 @@ class TrainContext:
     """Node name, for event records."""
     backend: str | None
     """Process-group backend, or ``None`` when running single-process."""
+    memory_dir: str | None = None
+    """Host memory the node's agent owns for the checkpoint memory tier, or ``None``."""
 
     @property
     def is_main(self) -> bool:
@@ -120,6 +122,7 @@ def init(
             run_id=env.run_id,
             node=env.node,
             backend=chosen,
+            memory_dir=env.memory_dir,
         )
         return _current
 

@@ -2,7 +2,8 @@
 
 Owns the mapping from the torchrun contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``TORCHELASTIC_RESTART_COUNT`` ...) and flexrun's additions
-(``FLEXRUN_RUN_DIR``, ``FLEXRUN_ROUND``, ``FLEXRUN_RUN_ID``, ``FLEXRUN_NODE``) to one frozen
+(``FLEXRUN_RUN_DIR``, ``FLEXRUN_ROUND``, ``FLEXRUN_RUN_ID``, ``FLEXRUN_NODE``,
+``FLEXRUN_MEMORY_DIR``) to one frozen
 record. It does not set up process groups (``flexrun.train.context`` does) and it never
 writes the environment. Under plain torchrun the ``FLEXRUN_*`` names are absent: the run
 directory is then ``None`` and the round falls back to the restart count, which torchrun
@@ -17,6 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from flexrun.errors import ConfigError
+
+MEMORY_DIR_ENV = "FLEXRUN_MEMORY_DIR"
+"""The worker variable naming the agent's memory directory (see ``flexrun.agent.memdir``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +49,9 @@ class WorkerEnv:
     """``FLEXRUN_RUN_ID``, else ``TORCHELASTIC_RUN_ID``, else ``"local"``."""
     node: str
     """``FLEXRUN_NODE``, else the host name."""
+    memory_dir: str | None = None
+    """``FLEXRUN_MEMORY_DIR``: host memory the node's agent owns for checkpoint copies
+    (the memory tier), or ``None`` (plain torchrun, live mode)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -98,4 +105,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         run_dir=env.get("FLEXRUN_RUN_DIR") or None,
         run_id=env.get("FLEXRUN_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "local",
         node=env.get("FLEXRUN_NODE") or socket.gethostname(),
+        memory_dir=env.get(MEMORY_DIR_ENV) or None,
     )

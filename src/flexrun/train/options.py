@@ -82,7 +82,29 @@ class CheckpointOptions:
     disk space and throws away the steps since the last checkpoint, so a disk full for a
     few seconds must not end a run just because checkpoints are frequent."""
 
+    durable_every: int | None = None
+    """Turn on the memory tier: every ``save()`` stages a copy in host memory that the
+    node's agent owns (it survives the worker, kill -9 included; every node keeps its
+    own copy of replicated state) and a save at least this many steps after the last
+    durable one (and every ``blocking`` save) is also written to the directory with the
+    commit protocol. ``load()`` takes the newest copy that verifies, memory or durable.
+    ``None``: every save is durable (no memory tier). See docs/user/train.md."""
+
+    memory_dir: str | None = None
+    """Where the memory tier keeps its copies; ``None``: the directory the agent passes
+    in ``FLEXRUN_MEMORY_DIR`` (without one, e.g. under plain torchrun, the tier is off
+    and only the durable saves happen, said once by a ``checkpoint_memory_off`` event)."""
+
+    memory_max_bytes: int | None = None
+    """Cap on the memory tier's use per node (two copies are kept); a state whose two
+    copies exceed it turns the tier off (durable saves only, said once). ``None``: no
+    cap beyond the memory filesystem's own size (a full one turns the tier off too)."""
+
     def __post_init__(self) -> None:
+        if self.durable_every is not None and self.durable_every < 1:
+            raise CheckpointError(f"durable_every must be >= 1 or None, got {self.durable_every}")
+        if self.memory_max_bytes is not None and self.memory_max_bytes < 1:
+            raise CheckpointError(f"memory_max_bytes must be >= 1, got {self.memory_max_bytes}")
         if self.keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:

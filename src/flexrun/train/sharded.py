@@ -96,9 +96,17 @@ class ShardedCheckpointer(RankZero):
         ``keep_last``, ``keep_every`` and ``save_rng`` apply.
 
         Raises:
-            CheckpointError: unusable directory, bad retention, or this round is fenced.
+            CheckpointError: unusable directory, bad retention, this round is fenced, or
+                a memory tier option (``durable_every``, ``memory_dir``,
+                ``memory_max_bytes``): sharded state has no memory tier.
         """
         self.options = CheckpointOptions.build(options, option_kwargs)
+        o = self.options
+        if o.durable_every is not None or o.memory_dir is not None or o.memory_max_bytes:
+            raise CheckpointError(
+                "ShardedCheckpointer has no memory tier: durable_every, memory_dir and "
+                "memory_max_bytes apply to Checkpointer (replicated state) only"
+            )
         install_stack_dump()
         self._ctx = ctx or current() or single_process_context()
         self._storage_options = resolve_storage_options(storage_options) or {}

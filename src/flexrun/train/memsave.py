@@ -1,0 +1,198 @@
+"""Writing the checkpoint memory tier's copies: the file format, atomic writes, one thread.
+
+Owns the format of a memory copy (the whole payload in one torch file, followed by a
+48-byte trailer: a magic, the payload's length and its sha256, computed while the bytes
+are written, so verifying needs no manifest), writing one atomically (a per-writer
+temporary name renamed into ``step_<N>.mem``), keeping the newest :data:`KEEP`, removing
+what killed writers left, and the background thread that writes at most one copy at a
+time: the deferred host copies first (the next ``optimizer.step()`` waits for them, as
+for a durable save), then the file. It does not decide when a copy is written
+(:mod:`flexrun.train.memtier`) nor which copy is loaded (:mod:`flexrun.train.memload`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexrun._clock import Clock
+from flexrun.train.serialize import save_without_zip_crc
+from flexrun.train.state import HostSnapshot, run_copies
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"FLXMEM01"
+TRAILER = struct.Struct("<8sQ32s")
+"""magic, payload length, sha256 of the payload: the last bytes of every copy."""
+KEEP = 2
+"""Copies kept per node: the newest and the one before it (used when the newest fails
+verification). The older one is removed before a new one is written, so at most
+``KEEP`` copies (one of them possibly being written) take memory at any time."""
+COPY_RE = re.compile(r"^step_(\d+)\.mem$")
+_TMP_RE = re.compile(r"^\.tmp-step_\d+-(\d+)-\d+$")
+
+
+def copy_name(step: int) -> str:
+    return f"step_{step}.mem"
+
+
+def copy_steps(directory: Path) -> list[int]:
+    """Steps of the complete (renamed) copies in ``directory``, ascending (unverified)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := COPY_RE.match(n)))
+
+
+def payload_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested payload (what a copy of it takes, near enough)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_nbytes(v) for v in obj)
+    return 0
+
+
+class _HashingFile:
+    """Passes writes to ``f``, hashing and counting them."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)  # (releases the GIL for large buffers)
+        self.nbytes += view.nbytes
+        self._f.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def prune(directory: Path, *, keep: int) -> None:
+    """Remove all but the newest ``keep`` copies."""
+    steps = copy_steps(directory)
+    for s in steps[: max(0, len(steps) - keep)]:
+        (directory / copy_name(s)).unlink(missing_ok=True)
+
+
+def write_copy(directory: Path, step: int, payload: dict[str, Any]) -> int:
+    """Write ``payload`` as the copy of ``step`` (atomically); return its size in bytes.
+
+    Raises:
+        OSError: the memory filesystem refused (full, removed); nothing is left behind.
+    """
+    prune(directory, keep=KEEP - 1)
+    tmp = directory / f".tmp-step_{step}-{os.getpid()}-{threading.get_native_id()}"
+    try:
+        with open(tmp, "wb") as f:
+            hashing = _HashingFile(f)
+            save_without_zip_crc(payload, hashing)
+            f.write(TRAILER.pack(MAGIC, hashing.nbytes, hashing.sha.digest()))
+        os.replace(tmp, directory / copy_name(step))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return hashing.nbytes + TRAILER.size
+
+
+def remove_stale(directory: Path) -> list[str]:
+    """Remove temporary files whose writer process is gone (killed mid-write)."""
+    removed = []
+    for name in os.listdir(directory):
+        m = _TMP_RE.match(name)
+        if m and not _alive(int(m.group(1))):
+            (directory / name).unlink(missing_ok=True)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+class MemSaver:
+    """Writes memory copies on a background thread, one at a time (see the module docstring)."""
+
+    def __init__(self, directory: Path, clock: Clock) -> None:
+        self.directory = directory
+        self.snapshot = HostSnapshot()
+        """Host buffers of memory-only saves (durable saves use the Checkpointer's own)."""
+        self._clock = clock
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self.copy_wait_s = 0.0
+        self.last_bytes = 0
+
+    def start(
+        self,
+        step: int,
+        payload: dict[str, Any],
+        pending: list[tuple[torch.Tensor, torch.Tensor]],
+        ready: threading.Event | None,
+    ) -> None:
+        """Write ``payload`` as ``step`` in the background: first the ``pending`` copies
+        (``optimizer.step()`` waits for them), then, once ``ready`` is set (a durable
+        persist's own deferred copies into the same payload), the file."""
+        self.copy_wait_s = 0.0
+        if pending:
+            self._copied.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=(step, payload, pending, ready), name=f"flexrun-mem-{step}"
+        )
+        self._thread.start()
+
+    def _run(
+        self,
+        step: int,
+        payload: dict[str, Any],
+        pending: list[tuple[torch.Tensor, torch.Tensor]],
+        ready: threading.Event | None,
+    ) -> None:
+        try:
+            try:
+                run_copies(pending)
+            finally:
+                self._copied.set()
+            if ready is not None:
+                ready.wait()  # (set in a finally: never left unset)
+            self.last_bytes = write_copy(self.directory, step, payload)
+        except BaseException as exc:  # handed to the training thread at its next save
+            self._error = exc
+
+    def hold_until_copied(self) -> None:
+        if not self._copied.is_set():
+            t0 = self._clock.monotonic()
+            self._copied.wait()
+            self.copy_wait_s += self._clock.monotonic() - t0
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def take_error(self) -> BaseException | None:
+        err, self._error = self._error, None
+        return err

@@ -1,0 +1,194 @@
+"""The checkpoint memory tier in real ``flexrun run`` jobs (issue 34): a script saving every
+step with ``durable_every=20`` loses at most one step to a kill -9 of a worker, of a whole
+node (agent and workers), or to a corrupted memory copy, and ends bitwise equal to an
+uninterrupted run where the world size stayed the same."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import (
+    Procs,
+    descendants,
+    node_args,
+    read_events,
+    wait_for,
+)
+from train_support import HERE, read_jsonl
+
+WORKER = HERE / "memtier_worker.py"
+STEPS = 40
+
+
+def _job(procs: Procs, name: str, *script_args: str) -> Any:
+    return procs.start(
+        [
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--run-dir",
+            str(procs.tmp / f"run-{name}"),
+            str(WORKER),
+            "--ckpt-dir",
+            str(procs.tmp / f"ck-{name}"),
+            "--steps",
+            str(STEPS),
+            "--durable-every",
+            "20",
+            "--step-log",
+            str(procs.tmp / f"log-{name}"),
+            "--final",
+            str(procs.tmp / f"final-{name}.pt"),
+            *script_args,
+        ],
+        name=name,
+    )
+
+
+def _lines(procs: Procs, name: str, rank: int) -> list[dict[str, Any]]:
+    return read_jsonl(procs.tmp / f"log-{name}.rank{rank}")
+
+
+def _last_step(procs: Procs, name: str, rank: int) -> int:
+    steps = [r["step"] for r in _lines(procs, name, rank) if "step" in r]
+    return steps[-1] if steps else 0
+
+
+def _assert_bitwise_equal(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _assert_bitwise_equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_bitwise_equal(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
+def _reference(procs: Procs) -> dict[str, Any]:
+    ref = _job(procs, "ref")
+    assert procs.wait(ref, 150) == 0, procs.stderr("ref")
+    return torch.load(procs.tmp / "final-ref.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _loaded(procs: Procs, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(procs.tmp / f"run-{name}") if e["event"] == "checkpoint_loaded"]
+
+
+def _durable_steps(path: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in path.glob("step_*"))
+
+
+@pytest.mark.timeout(400)
+def test_kill_9_of_a_worker_resumes_at_the_killed_step_from_memory_bitwise(procs: Procs) -> None:
+    ref = _reference(procs)
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    target, victim = rng.randint(5, 30), rng.randrange(2)
+    job = _job(procs, "job", "--step-sleep", "0.1")
+    wait_for(lambda: _last_step(procs, "job", victim) >= target, 150, f"step {target}")
+    pid = _lines(procs, "job", victim)[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed_at = _last_step(procs, "job", victim)
+    assert procs.wait(job, 200) == 0, procs.stderr("job")
+    resumes = [r for r in _lines(procs, "job", victim) if "resume" in r]
+    assert len(resumes) == 2, (resumes, seed)
+    # At most one completed step is computed again.
+    assert killed_at - 1 <= resumes[1]["resume"] <= killed_at, (resumes, killed_at, seed)
+    loaded = _loaded(procs, "job")
+    assert loaded[-1]["restored_from"] == "memory", loaded
+    final = torch.load(procs.tmp / "final-job.pt", weights_only=True)
+    _assert_bitwise_equal(ref, final, f"seed {seed}, kill at {killed_at}")
+    mem_dirs = list(Path("/dev/shm").glob(f"flexrun-mem-*-{job.pid}"))
+    assert mem_dirs == []  # the agent removed its memory directory at exit
+
+
+@pytest.mark.timeout(400)
+def test_a_corrupted_memory_copy_is_skipped_and_the_one_before_used_bitwise(
+    procs: Procs,
+) -> None:
+    ref = _reference(procs)
+    job = _job(procs, "job", "--corrupt-at", "13")
+    assert procs.wait(job, 200) == 0, procs.stderr("job")
+    events = read_events(procs.tmp / "run-job")
+    skipped = [e for e in events if e["event"] == "checkpoint_memory_skipped"]
+    assert skipped and {e["step"] for e in skipped} == {13}, skipped
+    assert all("sha256" in e["reason"] for e in skipped), skipped
+    resumes = [r["resume"] for r in _lines(procs, "job", 0) if "resume" in r]
+    assert resumes == [0, 12], resumes
+    assert _loaded(procs, "job")[-1]["restored_from"] == "memory"
+    final = torch.load(procs.tmp / "final-job.pt", weights_only=True)
+    _assert_bitwise_equal(ref, final)
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_costs_at_most_one_step_and_the_survivor_reads_no_storage(
+    procs: Procs, store_server: tuple[str, int]
+) -> None:
+    host, port = store_server
+    ck, log = procs.tmp / "ck", procs.tmp / "log"
+    agents = {}
+    for name in ("a", "b"):
+        agents[name] = procs.start(
+            [
+                *node_args(f"{host}:{port}", name, procs.tmp / f"run-{name}", nproc=1),
+                "--max-restarts",
+                "3",
+                str(WORKER),
+                "--ckpt-dir",
+                str(ck),
+                "--steps",
+                str(STEPS),
+                "--durable-every",
+                "20",
+                "--step-log",
+                str(log),
+                "--step-sleep",
+                "0.15",
+            ],
+            name=name,
+        )
+    target = random.randint(24, 32)  # past the durable save of step 21 (the first is 1)
+    rank0 = procs.tmp / "log.rank0"
+    wait_for(
+        lambda: [r for r in read_jsonl(rank0) if r.get("step", 0) >= target], 200, f"step {target}"
+    )
+    # The node of rank 0 (agent and worker) is lost.
+    worker0 = read_jsonl(rank0)[0]["pid"]
+    lost = next(n for n, a in agents.items() if worker0 in {p.pid for p in descendants(a.pid)})
+    tree = [p.pid for p in descendants(agents[lost].pid)]
+    os.killpg(agents[lost].pid, signal.SIGKILL)
+    for pid in tree:  # the node's workers die with it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agents[lost].wait(timeout=30)
+    killed_at = max(r.get("step", 0) for r in read_jsonl(rank0))
+    durable_at_kill = _durable_steps(ck)
+    survivor = "b" if lost == "a" else "a"
+    assert procs.wait(agents[survivor], 250) == 0, procs.stderr(survivor)
+    resumes = [r for r in read_jsonl(rank0) if "resume" in r and r["world"] == 1]
+    assert resumes, read_jsonl(rank0)[:3]
+    resumed = resumes[0]["resume"]
+    assert killed_at - 1 <= resumed <= killed_at, (resumed, killed_at)
+    loaded = [
+        e for e in read_events(procs.tmp / f"run-{survivor}") if e["event"] == "checkpoint_loaded"
+    ]
+    assert loaded[-1]["restored_from"] == "memory" and loaded[-1]["step"] == resumed, loaded
+    # No storage read: when the survivor resumed at `resumed`, storage held only older
+    # steps (the newest durable one is 21), so the state came from its own memory copy.
+    assert durable_at_kill and max(durable_at_kill) < resumed, (durable_at_kill, resumed)
