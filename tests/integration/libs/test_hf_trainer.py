@@ -70,6 +70,11 @@ def test_sigterm_to_the_agent_saves_then_143_and_resumes_with_no_step_lost(
     step = saved[0]
     marker = json.loads((out / f"checkpoint-{step}" / "flexrun.json").read_text())
     assert marker["preempted"] is True
+    events = [
+        json.loads(line) for line in (tmp_path / "run0" / "events.jsonl").read_text().splitlines()
+    ]
+    (pre,) = [e for e in events if e["event"] == "preempted" and "rank" in e]  # (a worker)
+    assert pre["step"] == step and pre["exit_code"] == 143, pre
     # Every step that was trained (logged at its start as global_step before it) is in the
     # checkpoint: the last one logged is the checkpoint's last step.
     assert _last_step(log) == step - 1, (_last_step(log), step)

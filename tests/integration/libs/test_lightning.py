@@ -5,6 +5,7 @@ resumes from it with no step lost."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -59,6 +60,11 @@ def test_sigterm_to_the_agent_saves_last_ckpt_then_143_and_resumes_with_no_step_
     finally:
         reap(agent)
     assert agent.returncode == 143, output[-4000:]
+    events = [
+        json.loads(line) for line in (tmp_path / "run0" / "events.jsonl").read_text().splitlines()
+    ]
+    (pre,) = [e for e in events if e["event"] == "preempted" and "rank" in e]  # (a worker)
+    assert pre["exit_code"] == 143, pre
     ckpt = torch.load(out / "last.ckpt", map_location="cpu", weights_only=False)
     step = ckpt["global_step"]
     # Every step that was trained (logged with the global step before it) is in the checkpoint.
