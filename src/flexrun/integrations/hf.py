@@ -26,7 +26,7 @@ import signal
 from collections.abc import Iterable, Sized
 from typing import Any, cast
 
-from flexrun.errors import CheckpointError
+from flexrun.errors import CheckpointError, ConfigError
 from flexrun.integrations._common import EpochSampler, agreed, barrier, worker_context
 from flexrun.train.preempt import PreemptionGuard
 
@@ -172,6 +172,11 @@ class ElasticTrainer(Trainer):
         self, *args: Any, global_batch_size: int, sampler_seed: int | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
+        if self.args.ignore_data_skip:
+            raise ConfigError(
+                "ElasticTrainer resumes the data through the Trainer's own batch skipping: "
+                "ignore_data_skip=True would train the resumed epoch's first steps again"
+            )
         self.global_batch_size = global_batch_size
         self.sampler_seed = sampler_seed
         found = [c for c in self.callback_handler.callbacks if isinstance(c, FlexrunCallback)]

@@ -89,3 +89,17 @@ def test_lightning_callback_takes_only_an_epoch_sampler() -> None:
     other = FlexrunCallback(EpochSampler(10, global_batch_size=2, seed=0))
     other.load_state_dict(state)
     assert other.sampler is not None and other.sampler.consumed == 2
+
+
+@_needs("transformers")
+def test_elastic_trainer_refuses_ignore_data_skip(tmp_path: Path) -> None:
+    import torch
+    from transformers import TrainingArguments
+
+    from flexrun.integrations.hf import ElasticTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), ignore_data_skip=True, use_cpu=True, report_to=[]
+    )
+    with pytest.raises(ConfigError, match="ignore_data_skip"):
+        ElasticTrainer(model=torch.nn.Linear(2, 1), args=args, global_batch_size=4)
