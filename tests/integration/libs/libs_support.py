@@ -40,7 +40,7 @@ def flexrun_cmd(tmp: Path, nproc: int, script: str, *args: str) -> list[str]:
             *args]  # fmt: skip
 
 
-def run(tmp: Path, nproc: int, script: str, *args: str, timeout: float = 150) -> str:
+def run(tmp: Path, nproc: int, script: str, *args: str, timeout: float = 200) -> str:
     """Run to the end; assert exit 0; the combined output."""
     p = subprocess.Popen(
         flexrun_cmd(tmp, nproc, script, *args), cwd=tmp, env=env(), text=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from libs_support import assert_each_once, env, flexrun_cmd, needs, reap, run, trained
 
-pytestmark = [pytest.mark.timeout(240), needs("transformers", "datasets", "accelerate")]
+pytestmark = [pytest.mark.timeout(480), needs("transformers", "datasets", "accelerate")]
 
 N, GLOBAL_BATCH, EPOCHS = 60, 8, 2
 PER_EPOCH = 8  # 7 steps of 8 samples and one of 4

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from libs_support import assert_each_once, env, flexrun_cmd, needs, reap, run, trained
 
-pytestmark = [pytest.mark.timeout(240), needs("lightning")]
+pytestmark = [pytest.mark.timeout(480), needs("lightning")]
 
 N, EPOCHS, PER_EPOCH = 60, 2, 8  # global batch 8: 7 steps of 8 samples and one of 4
 

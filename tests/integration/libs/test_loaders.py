@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from libs_support import assert_each_once, needs, run, trained
 
-pytestmark = [pytest.mark.timeout(240), needs("torchdata", "datasets")]
+pytestmark = [pytest.mark.timeout(480), needs("torchdata", "datasets")]
 
 N, EPOCHS, PER_EPOCH = 60, 2, 8  # global batch 8: 7 steps of 8 samples and one of 4
 
