@@ -45,6 +45,9 @@ ALLOWED: dict[str, set[str]] = {
     | {"proc", "train", "worker_hook"},  # (train: the spare pre-imports what workers use)
     # The training library runs inside workers: never agent, proc or spares.
     "train": BASE | {"config", "events", "live_protocol", "store", "worker_hook"},
+    # The training libraries' loops (HF Trainer, Lightning) on top of the training library:
+    # imported by training scripts only, like train.
+    "integrations": BASE | {"train"},
     # Users of the layers below.
     "agent": BASE
     | {
