@@ -217,7 +217,7 @@ def main() -> None:
     print(f"model: {params / 1e6:.1f}M parameters, Adam; state ~{state_bytes / 2**20:.0f} MiB")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
 
-    base = [step(model, opt, x) for _ in range(10)]
+    base = [step(model, opt, x) for _ in range(3 if args.memory_tier else 10)]
     base_s = statistics.median(base)
     print(f"baseline step: median {base_s * 1e3:.1f} ms over {len(base)} steps")
 
