@@ -12,6 +12,7 @@ For a ~50M-parameter model with Adam state, in one process and one run:
 Usage: python bench/bench_checkpoint.py [--dir DIR] [--repeats 2] [--share 0.2 ...]
        [--normal-priority] [--copy-in-save] [--stores local,s3] [--s3-endpoint URL]
        python bench/bench_checkpoint.py --memory-tier [--blocks 3] [--block-steps 20]
+       [--no-copy-wait]
 
 ``--memory-tier`` measures the memory tier instead (issue 34): the same loop with no
 checkpoint at all and with ``save()`` every step (``Checkpointer(durable_every=20)``,
@@ -122,6 +123,7 @@ def memory_tier(
     blocks: int,
     block_steps: int,
     durable_every: int,
+    copy_wait: bool,
 ) -> None:
     """No checkpoint vs a save every step with the memory tier, alternating blocks."""
     shm = tempfile.mkdtemp(prefix="flexrun-bench-mem-", dir="/dev/shm")
@@ -132,6 +134,7 @@ def memory_tier(
             keep_last=1,
             durable_every=durable_every,
             memory_dir=shm,
+            memory_copy_wait=copy_wait,
         )
         ck.register("model", model)
         ck.register("optim", opt)
@@ -161,6 +164,7 @@ def memory_tier(
             os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(shm) for f in files
         )
         durable = ck.steps()
+        skipped = ck.memory_copies_skipped
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     p, m = statistics.median(plain), statistics.median(saving)
@@ -176,6 +180,7 @@ def memory_tier(
     )
     print(f"memory copies on this node at the end        : {copies / 2**20:.0f} MiB (2 kept)")
     print(f"durable checkpoints written (durable_every={durable_every}): steps {durable}")
+    print(f"memory_copy_wait={copy_wait}: copies skipped (previous still writing): {skipped}")
 
 
 def main() -> None:
@@ -196,6 +201,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--durable-every", type=int, default=20)
+    ap.add_argument("--no-copy-wait", action="store_true", help="memory_copy_wait=False")
     args = ap.parse_args()
     stores = [x.strip() for x in args.stores.split(",") if x.strip()]
     server = S3Server() if "s3" in stores and args.s3_endpoint is None else None
@@ -211,7 +217,7 @@ def main() -> None:
     print(f"model: {params / 1e6:.1f}M parameters, Adam; state ~{state_bytes / 2**20:.0f} MiB")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
 
-    base = [step(model, opt, x) for _ in range(10)]
+    base = [step(model, opt, x) for _ in range(3 if args.memory_tier else 10)]
     base_s = statistics.median(base)
     print(f"baseline step: median {base_s * 1e3:.1f} ms over {len(base)} steps")
 
@@ -227,6 +233,7 @@ def main() -> None:
             blocks=args.blocks,
             block_steps=args.block_steps,
             durable_every=args.durable_every,
+            copy_wait=not args.no_copy_wait,
         )
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -210,6 +210,11 @@ class Checkpointer(RankZero):
         the writing rank (rank 0) counts; read it after ``wait()`` for the latest."""
         return self._p._failures.count
 
+    @property
+    def memory_copies_skipped(self) -> int:
+        """Memory-only saves that skipped their copy (``memory_copy_wait=False``)."""
+        return self._mem.skipped if self._mem is not None else 0
+
     def steps(self) -> list[int]:
         """Committed (not necessarily verified) checkpoint steps, ascending."""
         return self._proto.steps()
@@ -243,7 +248,7 @@ class Checkpointer(RankZero):
         if durable:  # (a memory-only save lets a durable persist go on)
             self._p.join()
         if mem is not None:
-            mem.join()
+            mem.join_before(durable)
         earlier = self._p.take_pending() if self._ctx.is_main else None
         failed = None if earlier is None else str(earlier)
         if failed is None and mem is not None:

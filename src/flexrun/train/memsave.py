@@ -93,16 +93,31 @@ def prune(directory: Path, *, keep: int) -> None:
 def write_copy(directory: Path, step: int, payload: dict[str, Any]) -> int:
     """Write ``payload`` as the copy of ``step`` (atomically); return its size in bytes.
 
+    The oldest copy past :data:`KEEP` is not deleted but renamed to the temporary name
+    and overwritten in place: its memory pages are already allocated, so a steady save
+    costs no page allocation (on tmpfs, allocating means zeroing every page first).
+
     Raises:
         OSError: the memory filesystem refused (full, removed); nothing is left behind.
     """
-    prune(directory, keep=KEEP - 1)
+    steps = copy_steps(directory)
     tmp = directory / f".tmp-step_{step}-{os.getpid()}-{threading.get_native_id()}"
+    surplus = steps[: max(0, len(steps) - (KEEP - 1))]
+    for s in surplus[1:]:
+        (directory / copy_name(s)).unlink(missing_ok=True)
+    reused = False
+    if surplus:
+        try:
+            os.replace(directory / copy_name(surplus[0]), tmp)
+            reused = True
+        except FileNotFoundError:
+            pass
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "r+b" if reused else "wb") as f:
             hashing = _HashingFile(f)
             save_without_zip_crc(payload, hashing)
             f.write(TRAILER.pack(MAGIC, hashing.nbytes, hashing.sha.digest()))
+            f.truncate()
         os.replace(tmp, directory / copy_name(step))
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -181,6 +196,11 @@ class MemSaver:
             self.last_bytes = write_copy(self.directory, step, payload)
         except BaseException as exc:  # handed to the training thread at its next save
             self._error = exc
+
+    @property
+    def busy(self) -> bool:
+        """A copy is being written."""
+        return self._thread is not None and self._thread.is_alive()
 
     def hold_until_copied(self) -> None:
         if not self._copied.is_set():

@@ -107,6 +107,10 @@ class MemoryTier:
         """This rank writes the node's copies."""
         self.last_durable: int | None = None
         self.off: str | None = None
+        self.wait_copies = options.memory_copy_wait
+        self.skipped = 0
+        """Memory-only saves whose copy was skipped: the previous one was still being
+        written (``memory_copy_wait=False`` only)."""
         base = options.memory_dir or ctx.memory_dir
         self.dir: Path | None = None
         self.saver: MemSaver | None = None
@@ -152,6 +156,12 @@ class MemoryTier:
     def join(self) -> None:
         if self.saver is not None:
             self.saver.join()
+
+    def join_before(self, durable: bool) -> None:
+        """Before a save: wait for the copy under way, unless this save is memory-only and
+        ``memory_copy_wait`` is off (then :meth:`save_copy` skips this save's copy)."""
+        if durable or self.wait_copies or self.saver is None or not self.saver.busy:
+            self.join()
 
     def wait(self) -> None:
         """Until the copy under way (if any) is written.
@@ -211,6 +221,9 @@ class MemoryTier:
         buffers (with ``defer_copy``, the optimizers' tensors are copied by the thread,
         before the next optimizer step) and write the copy in the background."""
         if not self.writer or self.off is not None or self.saver is None:
+            return
+        if self.saver.busy:
+            self.skipped += 1
             return
         states = {name: obj.state_dict() for name, obj in objects.items()}
         defer = deferrable_tensors(optimizers) if defer_copy else None

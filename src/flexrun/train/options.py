@@ -100,6 +100,12 @@ class CheckpointOptions:
     copies exceed it turns the tier off (durable saves only, said once). ``None``: no
     cap beyond the memory filesystem's own size (a full one turns the tier off too)."""
 
+    memory_copy_wait: bool = True
+    """A save waits for the previous memory copy still being written (so a failure loses
+    at most one step). ``False``: such a save skips its memory copy instead, so training
+    never waits for the memory tier (where a copy takes longer than a step, a failure may
+    then recompute several steps); the skips are counted (``memory_copies_skipped``)."""
+
     def __post_init__(self) -> None:
         if self.durable_every is not None and self.durable_every < 1:
             raise CheckpointError(f"durable_every must be >= 1 or None, got {self.durable_every}")

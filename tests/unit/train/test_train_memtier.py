@@ -138,10 +138,13 @@ def test_after_a_load_from_memory_the_next_durable_save_counts_from_the_durable_
 
 
 def test_copies_verify_their_trailer(tmp_path: Path) -> None:
-    write_copy(tmp_path, 3, {"x": torch.arange(10)})
+    write_copy(tmp_path, 3, {"x": torch.arange(1000)})
+    inode = (tmp_path / "step_3.mem").stat().st_ino
     write_copy(tmp_path, 4, {"x": torch.arange(11)})
     write_copy(tmp_path, 5, {"x": torch.arange(12)})
     assert copy_steps(tmp_path) == [4, 5]  # the newest two are kept
+    # Step 5 overwrote step 3's (larger) file in place, and verifies.
+    assert (tmp_path / "step_5.mem").stat().st_ino == inode
     blob = (tmp_path / "step_5.mem").read_bytes()
     assert torch.equal(decode(blob, what="c")["x"], torch.arange(12))
     with pytest.raises(CheckpointError, match="truncated"):
