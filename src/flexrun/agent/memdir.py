@@ -16,6 +16,8 @@ import re
 import shutil
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger("flexrun.agent")
 
 SHM = Path("/dev/shm")
@@ -66,20 +68,10 @@ def sweep(root: Path = SHM) -> list[Path]:
         if m is None or not entry.is_dir() or entry.is_symlink():
             continue
         try:
-            if entry.stat().st_uid != uid or _alive(int(m.group(1))):
+            if entry.stat().st_uid != uid or psutil.pid_exists(int(m.group(1))):
                 continue
         except OSError:
             continue
         remove_memory_dir(entry)
         removed.append(entry)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

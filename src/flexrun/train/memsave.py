@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from flexrun._clock import Clock
@@ -130,20 +131,10 @@ def remove_stale(directory: Path) -> list[str]:
     removed = []
     for name in os.listdir(directory):
         m = _TMP_RE.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not psutil.pid_exists(int(m.group(1))):
             (directory / name).unlink(missing_ok=True)
             removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 class MemSaver:
