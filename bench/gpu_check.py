@@ -340,7 +340,7 @@ def restart_trial(
             )
         if launcher == "flexrun":  # the pool is refilled once the workers run: wait for one
             out["spare_ready_before_kill"] = bool(
-                br.poll(lambda: br.ready_spares(d / "run"), time.monotonic() + 60, procs, watch=p)
+                br.poll(lambda: br.ready_spares(d / "run"), time.monotonic() + 180, procs, watch=p)
             )
             rows = _rows(progress)
         victim_rank = nproc - 1

@@ -932,7 +932,7 @@ def test_a_follower_reads_its_round_from_the_copy_but_not_a_copy_older_than_its_
     t0 = time.monotonic()
     while b._changes.read(b.keys.round) is None:  # b's watch reads the copy
         b.wait(0.05)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 20, "the watch never read the round directory"
     b.step(1)
     before = gated.header_reads
     for _ in range(5):
