@@ -373,8 +373,10 @@ def restart_trial(
             "group_init": round(ph["group_ready"] - ph["device_ready"], 4),
             "first_step": round(ph["first_step"] - ph["group_ready"], 4),
         }
-        # started well before the kill (create_time is coarse): a warm spare
-        out["warm_process"] = ph["process_created"] < t_kill - 0.1
+        # A process that existed before the kill is a warm spare. create_time has a clock
+        # tick's resolution (10 ms), hence the margin; a spare forked from the pool's zygote is
+        # created in milliseconds, often well under 0.1 s before a kill that waits for it.
+        out["warm_process"] = ph["process_created"] < t_kill - 0.02
         out["cuda_initialized_before_script"] = any(
             r["cuda_initialized_before_script"] for r in new_rows
         )
