@@ -59,6 +59,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def squatted_port() -> tuple[int, socket.socket]:
+    """A free port P and an unrelated socket listening on P + 1 that never answers."""
+    for _ in range(50):
+        port = free_port()
+        squatter = socket.socket()
+        try:
+            squatter.bind(("0.0.0.0", port + 1))
+        except OSError:
+            squatter.close()
+            continue
+        squatter.listen(8)
+        return port, squatter
+    raise AssertionError("no free pair of ports")
+
+
 @dataclass(frozen=True)
 class Case:
     """One command line, as a torchrun user would type it."""
@@ -78,6 +93,8 @@ class Case:
     pty: bool = False
     """Run the (single) agent on a pseudo-terminal: stdin, stdout and stderr."""
     timeout: float = 120.0
+    squat_next_port: bool = False
+    """An unrelated process listens on ``{port}`` + 1 while the case runs."""
     action: Callable[[Run, list[subprocess.Popen[str]]], None] | None = None
     """Called once the agents run (e.g. to signal them); it may wait for probes."""
 
@@ -93,6 +110,7 @@ class Run:
     rc: list[int] = field(default_factory=list)
     stdout: str = ""
     stderr: str = ""
+    squatter: socket.socket | None = field(default=None, repr=False)
 
     @property
     def probe_dir(self) -> Path:
@@ -163,7 +181,12 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
 def start(case: Case, launcher: str, workdir: Path) -> tuple[Run, list[subprocess.Popen[str]]]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "tmp").mkdir(exist_ok=True)
-    port = str(free_port())
+    squatter = None
+    if case.squat_next_port:
+        number, squatter = squatted_port()
+        port = str(number)
+    else:
+        port = str(free_port())
     env = base_env(
         workdir,
         {
@@ -199,7 +222,7 @@ def start(case: Case, launcher: str, workdir: Path) -> tuple[Run, list[subproces
             assert p.stdin is not None
             p.stdin.write(case.stdin)
             p.stdin.close()
-    return Run(launcher, workdir, port=port), procs
+    return Run(launcher, workdir, port=port, squatter=squatter), procs
 
 
 class _PtyReader(threading.Thread):
@@ -266,6 +289,8 @@ def finish(case: Case, run: Run, procs: list[subprocess.Popen[str]], deadline: f
             if p.poll() is None:
                 kill_tree(p)
                 p.wait(timeout=30)
+        if run.squatter is not None:
+            run.squatter.close()
     for p in procs:
         reader = getattr(p, "pty_reader", None)
         if reader is not None:

@@ -37,6 +37,15 @@ STATIC_PET = Case(
     nodes=((), ()),
     node_env=({"PET_NODE_RANK": "0"}, {"PET_NODE_RANK": "1"}),
 )  # fmt: skip
+STATIC_PET_SQUATTED = Case(
+    "two_agents_trainer_v2_pet_next_port_taken",
+    (),
+    script_args=TRAIN,
+    env=STATIC_PET.env,
+    nodes=((), ()),
+    node_env=STATIC_PET.node_env,
+    squat_next_port=True,  # issue 33: both launchers need the master port only
+)
 STATIC_ONE = Case(
     "one_node_static_master_port",
     ("--nnodes=1", "--nproc_per_node=2", "--monitor_interval=1", "--start_method=spawn",
@@ -50,7 +59,7 @@ EXPLICIT_STATIC = Case(
     nodes=(("--node-rank", "0"), ("--node-rank", "1")),
 )
 
-TRAINS = [ELASTIC, STATIC_FLAGS, STATIC_PET, STATIC_ONE, EXPLICIT_STATIC]
+TRAINS = [ELASTIC, STATIC_FLAGS, STATIC_PET, STATIC_PET_SQUATTED, STATIC_ONE, EXPLICIT_STATIC]
 
 
 @pytest.mark.timeout(300)

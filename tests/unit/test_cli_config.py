@@ -45,8 +45,8 @@ def test_static_job_from_flags(script: str) -> None:
     assert (c.static.nnodes, c.static.node_rank) == (2, 1)
     assert (c.static.master_addr, c.static.master_port) == ("127.0.0.1", 29511)
     assert not c.static.hosts_store and not c.store.host_store
-    # flexrun's store at the next port: the workers' store at the master port is new each round.
-    assert c.store.backend == "static" and c.store.endpoints == (("127.0.0.1", 29512),)
+    # One port, as torchrun's: flexrun's store is the workers' store, at the master port.
+    assert c.store.backend == "static" and c.store.endpoints == (("127.0.0.1", 29511),)
     assert c.rendezvous.min_nodes == c.rendezvous.max_nodes == 2
     assert c.run_id == "none"  # torchrun's default id
 

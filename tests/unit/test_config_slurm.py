@@ -126,7 +126,7 @@ def test_srun_flexrun_run_alone_is_a_static_job_over_the_steps_nodes(script: str
 
 
 def test_consecutive_jobs_ports_do_not_meet(script: str) -> None:
-    # A static job takes its master port and the next one (flexrun's store).
+    # A static job takes its master port alone (store_port is the master port).
     a = cfg([script], step_env(job="19")).static
     b = cfg([script], step_env(job="20")).static
     assert a is not None and b is not None

@@ -20,9 +20,10 @@ from flexrun.config import RunConfig, StoreSettings, backend_named
 from flexrun.errors import ConfigError, StoreUnavailable
 from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler
+from flexrun.rendezvous.keys import OWN_PREFIX
 from flexrun.spares.pool import WarmPool
 from flexrun.store.api import Store
-from flexrun.store.factory import connect, tcp_address
+from flexrun.store.factory import connect, delete_all_but, tcp_address
 
 log = logging.getLogger("flexrun.agent")
 
@@ -57,8 +58,7 @@ def open_store(settings: StoreSettings, *, static: bool = False) -> tuple[Store,
                     # holds the port is not it (a squatter would be taken for the store).
                     raise ConfigError(
                         f"cannot host the job's store on port {port}: {_holder(port)} "
-                        f"listens there ({exc}); free it, or give another --master-port "
-                        f"(a static job uses the master port and the one after it)"
+                        f"listens there ({exc}); free it, or give another --master-port"
                     ) from None
                 # Someone (a `flexrun store`, or another agent on this host) already serves it.
                 server = None
@@ -92,7 +92,6 @@ def build_agent(
     events: EventLog,
     pool: WarmPool | None = None,
     live_spares: WarmPool | None = None,
-    worker_stores: WorkerStores | None = None,
 ) -> Agent:
     """This node's agent over ``store``, with the runner of ``config.mode``.
 
@@ -132,13 +131,14 @@ def build_agent(
         on_close: Callable[[], None] | None = None
         agent_store: bool | None = None  # (a static job's: see RestartRunner)
         if static is not None:
-            # torchrun's view: the workers meet at the given master, in a store that
-            # node rank 0's agent hosts there afresh every round.
-            masters = (
-                worker_stores.for_round
-                if worker_stores is not None
-                else (WorkerStores(static).for_round)
-            )
+            # torchrun's view: the workers meet at the given master, in the job's store
+            # that node rank 0's agent hosts there, emptied of earlier workers' keys.
+            masters = WorkerStores(
+                static,
+                rdzv,
+                timeout_s=timeout,
+                empty=lambda: delete_all_but(store, OWN_PREFIX),
+            ).for_round
         elif shares_agent_store(config):
             # torchrun's default: the workers are clients of a store this (group rank 0's)
             # agent hosts, a fresh one each round, listening before the workers start.
@@ -202,7 +202,6 @@ def launch(config: RunConfig) -> int:
         pool.fill()
     metrics = follower = None
     sampler = None
-    worker_stores: WorkerStores | None = None
     store: Store | None = None
     server: object | None = None
     try:
@@ -228,18 +227,14 @@ def launch(config: RunConfig) -> int:
                 disk_path=str(config.output.run_dir),
             )
             sampler.start()
-        worker_stores = WorkerStores(config.static) if config.static is not None else None
         return build_agent(
             config,
             store,
             events=events,
             pool=pool,
             live_spares=live_spares,
-            worker_stores=worker_stores,
         ).run()
     finally:
-        if worker_stores is not None:
-            worker_stores.close()
         for p in (pool, live_spares):
             if p is not None:
                 p.close()

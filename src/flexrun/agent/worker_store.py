@@ -3,13 +3,13 @@
 Owns, for restart mode, whether the workers are clients of a store their agent hosts
 (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's default) or rank 0 hosts one itself, and
 the hosting. torch (2.10 to 2.15) puts no per-attempt prefix on its keys there ("a new
-TCPStore for every retry"), so a hosted store is a fresh one each round: the old one is
-dropped once this node's workers of the old round are stopped, and a new one bound before
-the new workers start.
+TCPStore for every retry"), so each round's workers find a store without an earlier round's
+keys: a fresh server (elastic) or the job's server emptied of them (static).
 
 - Static job (:class:`WorkerStores`): torchrun's view exactly: the given master, where node
-  rank 0's agent hosts the store (peers' workers retry connecting until it is up). flexrun's
-  own records live in another store (``StaticJob.store_port``).
+  rank 0's agent hosts the job's one store (flexrun's records under their own prefix, the
+  workers' keys beside them, emptied between rounds), so that a static job needs only the
+  port it is given.
 - Elastic job (:class:`RoundStores`): the agent of the round's group rank 0 binds a store on
   a port the OS picks and publishes that as the round's master, so no worker ever connects
   before the store listens. (When rank 0 hosted it, a rank that came first waited out
@@ -21,20 +21,18 @@ the new workers start.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 from flexrun.config import RunConfig, StaticJob, backend_named
 from flexrun.errors import ConfigError, StoreUnavailable
+from flexrun.rendezvous import RendezvousHandler
+from flexrun.rendezvous.masters import Masters
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 from flexrun.store.tcp import TcpStoreServer
 
 log = logging.getLogger("flexrun.agent")
 
 DISABLE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-REBIND_S = 5.0
-"""How long to retry binding the master port while the previous round's store lets go."""
 
 
 def shares_agent_store(config: RunConfig) -> bool:
@@ -51,40 +49,55 @@ def shares_agent_store(config: RunConfig) -> bool:
 
 
 class WorkerStores:
-    """The master of every round of a static job; node rank 0 also hosts its store."""
+    """The master of every round of a static job: the job's one store, which node rank 0's
+    agent hosts at the given master for the whole job (torchrun's one port: flexrun's
+    records and the workers' keys share the server, as torchrun's agent and workers do).
 
-    def __init__(self, static: StaticJob) -> None:
+    Each round hands the workers a store without the keys of an earlier round's workers
+    (torch's put no per-round prefix on them: a gloo or NCCL rendezvous would read a dead
+    world's addresses): every other member marks that its earlier workers are stopped, node
+    rank 0 then removes every key but the job's records and publishes the round's master,
+    which the others await before their workers start.
+    """
+
+    def __init__(
+        self,
+        static: StaticJob,
+        rdzv: RendezvousHandler,
+        *,
+        timeout_s: float,
+        empty: Callable[[], int],
+    ) -> None:
         self.static = static
         self.master = MasterRecord(static.master_addr, static.master_port)
-        self._server: TcpStoreServer | None = None
+        self._rdzv = rdzv
+        self._timeout_s = timeout_s
+        self._empty = empty
 
-    def for_round(self, rnd: RoundRecord) -> MasterRecord:
-        """The round's master; on node rank 0, a new store listening there first.
-
-        Raises:
-            StoreUnavailable: the master port stayed taken for :data:`REBIND_S`.
-        """
-        if self.static.node_rank != 0:
-            return self.master
-        self.close()
-        deadline = time.monotonic() + REBIND_S
-        while True:
-            try:
-                self._server = TcpStoreServer("0.0.0.0", self.static.master_port)
-                break
-            except StoreUnavailable:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.1)
+    def for_round(self, rnd: RoundRecord) -> MasterRecord | None:
+        """The round's master once its store holds no earlier worker's key (None: the round
+        moved on, or the hand-off took longer than the join timeout: the loop decides again)."""
+        rdzv, marks = self._rdzv, Masters(self._rdzv.session)
+        if rnd.group_rank(rdzv.me.node_id) != 0:
+            marks.mark_stopped(rnd)
+            found = rdzv.master_for(rnd, timeout_s=self._timeout_s)
+            return self.master if found is not None else None
+        if (
+            rdzv.await_in_round(rnd.number, self._timeout_s, lambda: marks.all_stopped(rnd) or None)
+            is None
+        ):
+            return None
+        gone = self._empty()
+        if gone:
+            log.info("round %d: removed %d keys of earlier workers", rnd.number, gone)
+        if rdzv.master_for(rnd, timeout_s=self._timeout_s, port=self.static.master_port) is None:
+            return None
         log.info(
-            "round %d: the workers' store listens on port %d", rnd.number, self.static.master_port
+            "round %d: the workers' store is the job's, on port %d",
+            rnd.number,
+            self.static.master_port,
         )
         return self.master
-
-    def close(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
 
 
 class RoundStores:

@@ -208,14 +208,12 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         log.warning("%s", line)
     for line in conf.notes:
         log.info("%s", line)
-    static = None
-    store_endpoints = shape.endpoints
+    static = None  # (a static job's one store is at its master: the given endpoint)
     if shape.static_rank is not None:
         host, port = shape.endpoints[0]
         static = StaticJob(
             nnodes=shape.max_nodes, node_rank=shape.static_rank, master_addr=host, master_port=port
         )
-        store_endpoints = ((host, static.store_port),)
     nproc = parse_nproc(a["nproc_per_node"])
     run_path = bool(a.get("run_path"))
     module = bool(a["module"]) and not run_path
@@ -238,7 +236,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
     )
     store = StoreSettings(
         backend=shape.backend,
-        endpoints=store_endpoints,
+        endpoints=shape.endpoints,
         host_store=shape.host_store,
         connect_timeout_s=conf.connect_timeout_s,
         op_timeout_s=conf.read_timeout_s,

@@ -145,15 +145,15 @@ class StaticJob:
     master_addr: str
     """Where node rank 0 hosts the store (``--master-addr``)."""
     master_port: int
-    """Its port (``--master-port``, default 29500): the workers' store, which node rank 0's
-    agent hosts afresh for every round, as torchrun's agent does."""
+    """Its port (``--master-port``, default 29500), the job's one port: node rank 0's agent
+    hosts the job's store there (flexrun's records and, beside them, the workers' keys,
+    emptied between rounds), as torchrun's agent hosts its store for its workers."""
 
     @property
     def store_port(self) -> int:
-        """Where node rank 0's agent hosts flexrun's own store (rendezvous records and
-        keep-alives): the port after the master's (the workers' store must be a new one
-        every round, so it cannot be this one)."""
-        return self.master_port + 1
+        """Where node rank 0's agent hosts flexrun's own store: the master port (a static job
+        needs no other)."""
+        return self.master_port
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -161,11 +161,8 @@ class StaticJob:
                 f"--node-rank {self.node_rank}: must be 0..{self.nnodes - 1} for --nnodes "
                 f"{self.nnodes}"
             )
-        if not 0 < self.master_port < 65535:
-            raise ConfigError(
-                f"--master-port {self.master_port}: out of range 1-65534 (a static job's "
-                "agents also use the next port)"
-            )
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port {self.master_port}: out of range 1-65535")
 
     @property
     def hosts_store(self) -> bool:

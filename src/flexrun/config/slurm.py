@@ -42,8 +42,8 @@ OFF_ENV = "FLEXRUN_SLURM"
 allocation for something else, e.g. a one-node test in an interactive ``salloc`` shell)."""
 PORT_BASE = 11000
 PORT_SPAN = 10000
-"""The port a job's store uses: ``PORT_BASE + 2 * (job id % PORT_SPAN)``. Even offsets, so a
-static job's second port (master + 1, flexrun's own store) never meets the next job's."""
+"""The port a job's store uses: ``PORT_BASE + 2 * (job id % PORT_SPAN)`` (even offsets: from
+when a static job also used the master port + 1; it uses the master port alone now)."""
 _ELASTIC_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2", "etcd-v3")
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.cause import FailureCause
@@ -54,6 +56,7 @@ from flexrun.store.rejects import report_to
 from flexrun.store.signed import is_signed
 
 log = logging.getLogger("flexrun.rendezvous")
+_T = TypeVar("_T")
 
 
 class RendezvousHandler:
@@ -248,31 +251,32 @@ class RendezvousHandler:
         (None: the round moved on, or ``timeout_s`` passed)."""
         if rnd.group_rank(self.me.node_id) == 0:
             return self._masters.publish(rnd, port)
-        found = self._await_master(rnd.number, timeout_s)
+        published = partial(self._masters.published, rnd.number)
+        found = self.await_in_round(rnd.number, timeout_s, published)
         if found is not None:
             self._masters.seen(rnd.number, found)
         return found
 
-    def _await_master(self, number: int, timeout_s: float) -> MasterRecord | None:
+    def await_in_round(self, n: int, timeout_s: float, get: Callable[[], _T | None]) -> _T | None:
+        """``get()`` once not None (None: round ``n`` moved on, or ``timeout_s`` passed)."""
         deadline = self.clock.monotonic() + timeout_s
-        while True:
-            found = self._masters.published(number)
-            if found is not None:
-                return found
-            # Not published yet. Decide as the agent's loop would: rank 0's node may have
-            # left or died before publishing, and this agent, waiting here, may be the only
-            # one left to replace the round (a proposal made here returns Wait).
+        while (got := get()) is None:
+            # Not there yet (a master address; a static round's marks). Decide as the agent's
+            # loop would: rank 0's node may have left or died before publishing, and this
+            # agent, waiting here, may be the only one left to replace the round (a proposal
+            # made here returns Wait).
             action = self.step(None)
-            if not isinstance(action, Run) or action.round.number != number:
+            if not isinstance(action, Run) or action.round.number != n:
                 return None
             remaining = deadline - self.clock.monotonic()
             if remaining <= 0 or self.stopped:
                 return None
-            # The address is published under the round directory, which this node's change
-            # watch follows from its last read: the publication (or a new header) wakes the
-            # wait, at no request; the keep-alive interval bounds it so that the step above
+            # Both are written under the round directory, which this node's change watch
+            # follows from its last read: the write (or a new header) wakes the wait, at no
+            # request; the keep-alive interval bounds it so that the step above
             # still checks on the watcher when nothing changes.
             self.wait(min(remaining, self.settings.heartbeat_interval_s))
+        return got
 
     def published_master(self, number: int) -> MasterRecord | None:
         return self._masters.published(number)

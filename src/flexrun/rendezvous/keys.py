@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+OWN_PREFIX = "flexrun/"
+"""Every job's records live under it (a static job's workers' keys beside them do not)."""
+
 
 class Keys:
     """Key names of one job."""
 
     def __init__(self, run_id: str) -> None:
-        self.root = f"flexrun/{run_id}/"
+        self.root = f"{OWN_PREFIX}{run_id}/"
         self.watched = self.root + "s/"
         self.round_dir = self.watched + "round/"
         self.round = self.round_dir + "current"
@@ -17,6 +20,9 @@ class Keys:
         # Under the round directory that every node's change watch follows: a published
         # address wakes the members waiting for it (no polling).
         self.master_dir = self.round_dir + "master/"
+        # A static job's members mark here that their workers of earlier rounds are stopped
+        # (group rank 0 empties the workers' store, shared with these records, after all).
+        self.stopped_dir = self.round_dir + "stopped/"
         self.heartbeats = self.root + "hb/"
         self.data = self.root + "r/"
 
@@ -28,6 +34,9 @@ class Keys:
 
     def master(self, round_number: int) -> str:
         return f"{self.master_dir}{round_number}"
+
+    def stopped(self, round_number: int, node_id: str) -> str:
+        return f"{self.stopped_dir}{round_number}/{node_id}"
 
     def ask(self, node_id: str) -> str:
         return self.asks + node_id

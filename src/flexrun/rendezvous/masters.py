@@ -6,6 +6,12 @@ wins; the others wait for the publication, which their change watch of the round
 directory wakes them for (and, where the store's watches carry values, hands them: no
 read). It remembers the last address it saw (in the session), to publish it again with
 a round a store restart lost.
+
+A static job's workers' store is the job's own store (one port, as torchrun's): before
+group rank 0 empties it of an earlier round's worker keys, every other member marks that
+its workers of earlier rounds are stopped (:meth:`Masters.mark_stopped`, awaited by
+:meth:`Masters.all_stopped`), and the round's master is published only after the
+emptying (:class:`flexrun.agent.worker_store.WorkerStores`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ class Masters:
         directory's copy where one is kept, at no request."""
         entry = self.s.read_round_key(self.s.keys.master(number))
         return MasterRecord.decode(entry.value) if entry is not None else None
+
+    def mark_stopped(self, rnd: RoundRecord) -> None:
+        """This member's workers of the rounds before ``rnd`` are stopped."""
+        s = self.s
+        s.store.put(s.keys.stopped(rnd.number, s.me.node_id), b"1")
+
+    def all_stopped(self, rnd: RoundRecord) -> bool:
+        """Whether every other member of ``rnd`` marked its earlier workers stopped."""
+        s = self.s
+        return all(
+            s.read_round_key(s.keys.stopped(rnd.number, node)) is not None
+            for node in rnd.member_ids
+            if node != s.me.node_id
+        )
 
     def seen(self, number: int, rec: MasterRecord) -> None:
         """Remember round ``number``'s address, to publish it again should the store lose

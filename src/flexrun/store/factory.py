@@ -87,6 +87,15 @@ def _tcp(host: str, port: int, connect_timeout_s: float) -> Store:
             time.sleep(0.2)
 
 
+def delete_all_but(store: Store, keep: str) -> int:
+    """:func:`flexrun.store.tcp.delete_all_but` through a tcp store client (signed or not);
+    0 for other backends (no workers' keys share their server)."""
+    from flexrun.store import tcp
+
+    inner = store.inner if isinstance(store, SignedStore) else store
+    return tcp.delete_all_but(inner, keep) if isinstance(inner, tcp.TcpStore) else 0
+
+
 def tcp_address(store: Store) -> tuple[str, int] | None:
     """``(host, port)`` of a tcp store client (signed or not); None for other backends."""
     from flexrun.store.tcp import TcpStore

@@ -387,4 +387,21 @@ class TcpStore:
         self._closed = True
 
 
-__all__ = ["EVENT_WINDOW", "StoreTimeout", "TcpStore", "TcpStoreServer", "probe"]
+def delete_all_but(client: TcpStore, keep: str) -> int:
+    """Remove from ``client``'s server every key but those under ``keep`` and the protocol's
+    own (counters, change log, channels): a static job's workers' keys of an earlier round,
+    which share the server with the job's records (torch's workers put no per-round prefix
+    on their keys, and must find none of a dead world's). Only while no client of those
+    keys runs. Returns how many were removed."""
+    if not keep:
+        raise ValueError("delete_all_but needs a non-empty prefix to keep")
+    c = client._c()
+    gone = 0
+    for key in client._junk.list_keys():
+        if not key.startswith((keep, _INTERNAL)):
+            client._call(c.delete_key, key)
+            gone += 1
+    return gone
+
+
+__all__ = ["EVENT_WINDOW", "delete_all_but", "StoreTimeout", "TcpStore", "TcpStoreServer", "probe"]

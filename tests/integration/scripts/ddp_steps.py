@@ -31,11 +31,23 @@ p.add_argument(
 )
 p.add_argument("--final", default="", help="rank 0 writes the final parameters here")
 p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises ValueError at step 0")
+p.add_argument(
+    "--fail-once-at",
+    type=int,
+    default=-1,
+    help="with --fail-rank: raise at this step of the first attempt only",
+)
 p.add_argument("--on-sigterm", default="", help="write PATH.<rank> and exit 143 on SIGTERM")
 p.add_argument(
     "--import-libs",
     default="",
     help="comma-separated modules imported at start (a library's script)",
+)
+p.add_argument(
+    "--late-restart",
+    type=float,
+    default=0.0,
+    help="with --fail-once-at: the failed rank joins its second attempt this late",
 )
 a = p.parse_args()
 for lib in filter(None, a.import_libs.split(",")):
@@ -51,6 +63,9 @@ def on_sigterm(signum, frame):
 if a.on_sigterm:
     signal.signal(signal.SIGTERM, on_sigterm)
 
+restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+if a.late_restart and restarted and int(os.environ["RANK"]) == a.fail_rank:
+    time.sleep(a.late_restart)  # (the others meet in the store first)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 local_rank = int(os.environ["LOCAL_RANK"])
@@ -68,7 +83,8 @@ if a.ckpt and os.path.exists(a.ckpt):
 
 gen = torch.Generator().manual_seed(1234 + rank)
 for step in range(start, a.steps):
-    if rank == a.fail_rank:
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank == a.fail_rank and (a.fail_once_at < 0 or (first and step == a.fail_once_at)):
         raise ValueError(f"deliberate failure on rank {rank} at step {step}")
     if a.step_seeded:
         gen.manual_seed(1234 + 100_003 * step + rank)

@@ -118,3 +118,32 @@ def test_the_store_listens_on_the_advertised_address_only_where_it_can() -> None
     finally:
         local.close()
         foreign.close()
+
+
+def test_a_static_rounds_store_keeps_the_jobs_records_and_drops_the_workers_keys() -> None:
+    # One server, as a static job's node rank 0 hosts at the master port: flexrun's records
+    # (and its protocol's own keys) stay; every key of a dead world's workers goes.
+    from flexrun.store.factory import delete_all_but
+    from flexrun.store.tcp import TcpStore, TcpStoreServer
+
+    server = TcpStoreServer("127.0.0.1", 0)
+    store = TcpStore("127.0.0.1", server.port, connect_timeout_s=10)
+    try:
+        store.put("flexrun/none/s/round/current", b"round")
+        worker = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=10))
+        worker.set("default_pg/0//cpu//0/1", b"127.0.0.1:4242")
+        worker.set("\xff-user-key", b"x")
+        del worker
+        assert delete_all_but(store, "flexrun/") >= 2
+        left = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+        keys = set(left.list_keys())
+        assert not any(k.startswith("default_pg/") or k.startswith("\xff-") for k in keys), keys
+        assert "init/" not in keys  # (the workers' own counter, torch's TCPStore's)
+        entry = store.get("flexrun/none/s/round/current")
+        assert entry is not None and entry.value == b"round"
+        assert any(k.startswith("__flexrun/") for k in keys)
+        with pytest.raises(ValueError):
+            delete_all_but(store, "")
+    finally:
+        store.close()
+        server.close()

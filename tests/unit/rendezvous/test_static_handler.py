@@ -108,3 +108,38 @@ def test_with_a_restart_left_the_survivor_stops_then_the_world_forms_again() -> 
     assert again.round.member_ids == ["a", "b2"] and again.round.restarts == 1
     act_b2 = b2.step(None)
     assert isinstance(act_b2, Run) and act_b2.round.group_rank("b2") == 1
+
+
+def test_node_rank_0_empties_the_workers_store_only_after_the_others_stopped_theirs() -> None:
+    # A static job's one store: node rank 0 removes the earlier workers' keys only once every
+    # other member has marked its earlier workers stopped, and publishes the master after.
+    from flexrun.agent.worker_store import WorkerStores
+    from flexrun.config import StaticJob
+
+    clock, s = FakeClock(), settings(0)
+    store = MemoryStore(clock)
+    b = handler(store, "b", 1, clock, s)
+    b.step(None)
+    a = handler(store, "a", 0, clock, s)
+    clock.advance(1)
+    b._beat()
+    a._beat()
+    b.step(None)
+    act_a, act_b = a.step(None), b.step(None)
+    assert isinstance(act_a, Run) and isinstance(act_b, Run)
+    emptied: list[int] = []
+
+    def stores(h: RendezvousHandler, rank: int) -> WorkerStores:
+        job = StaticJob(nnodes=2, node_rank=rank, master_addr="10.0.0.1", master_port=29500)
+        return WorkerStores(job, h, timeout_s=0.0, empty=lambda: emptied.append(1) or 0)
+
+    on_a, on_b = stores(a, 0), stores(b, 1)
+    rnd = act_a.round
+    assert on_a.for_round(rnd) is None and emptied == []  # b has not marked: wait on
+    assert a.published_master(rnd.number) is None
+    assert on_b.for_round(act_b.round) is None  # marked; no master yet
+    master = on_a.for_round(rnd)
+    assert master is not None and (master.addr, master.port) == ("10.0.0.1", 29500)
+    assert emptied == [1] and a.published_master(rnd.number) is not None
+    assert on_b.for_round(act_b.round) == master
+    assert emptied == [1]  # (node rank 1 empties nothing)
