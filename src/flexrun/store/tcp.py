@@ -74,6 +74,11 @@ from flexrun.store.tcp_watch import (
 _WATCHED_KEY = "__flexrun/watched"
 CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
 RAW_CACHE = 4096  # raw values kept for a compare-and-set without a read
+CONNECT_S = 2.0
+"""How long one ``TCPStore`` connect may try (torch tries twice, so about 2x this plus its
+back-off). A probe found the server a moment before; one that died meanwhile must not hold
+the calling thread for the operation timeout: torch retries a refused connect for the whole
+timeout it is given (30 s held a static job's survivor that long after its store died)."""
 _TOMBSTONE = b"x"
 _dir_of = dir_of
 
@@ -128,7 +133,11 @@ class TcpStore:
     def _connect(self) -> Any:
         """A new client socket (TCPStore clients are not safe to share across threads)."""
         try:
-            return dist().TCPStore(self.host, self.port, None, False, self._op_timeout)
+            client = dist().TCPStore(
+                self.host, self.port, None, False, timedelta(seconds=CONNECT_S)
+            )
+            client.set_timeout(self._op_timeout)
+            return client
         except (RuntimeError, OSError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise StoreUnavailable(

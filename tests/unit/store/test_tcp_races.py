@@ -220,3 +220,23 @@ def test_repeated_reads_do_not_list_the_servers_keys_again_within_the_full_read_
     finally:
         store.close()
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_connect_to_a_server_gone_since_the_probe_gives_up_in_seconds_not_the_op_timeout() -> (
+    None
+):
+    # The race of a static job's survivor: the probe found node rank 0's store, which died
+    # before the client's connect. torch retries a refused connect for the whole timeout it is
+    # given: with the 30 s operation timeout the survivor's loop stood still for 30 s.
+    server = TcpStoreServer("127.0.0.1", 0)
+    client = TcpStore("127.0.0.1", server.port, connect_timeout_s=5, op_timeout_s=30)
+    try:
+        server.close()
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="cannot connect"):
+            client._connect()
+        took = time.monotonic() - t0
+        assert took < 15, f"a connect to a dead server held the caller {took:.1f}s"
+    finally:
+        client.close()
