@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
 
-CAUSE_WAIT_S = 1.0
+CAUSE_WAIT_S = 3.0
 """A failure seen only as "peer closed the connection" waits up to this long for the other
-local workers to end by themselves before the root cause is chosen (under load, a rank
-that raised took over a second to exit)."""
+local workers to end by themselves before the root cause is chosen. Under load a rank that
+raised can take seconds to exit (its traceback printed, its process group torn down) while its
+peer's "connection closed" exit comes first; 1 s was too short on 2 loaded cores. The wait ends
+as soon as a failure that is not an echo arrives, so it costs time only when none does."""
 
 
 @dataclass(frozen=True, slots=True)
