@@ -6,11 +6,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +55,39 @@ def run(tmp: Path, nproc: int, script: str, *args: str, timeout: float = 200) ->
         reap(p)
     assert p.returncode == 0, out[-4000:]
     return out
+
+
+def last_step(log_prefix: Path) -> int:
+    """The newest step any process logged (``<step> <ids...>`` lines), -1 before the first."""
+    steps = [int(line.split()[0]) for p in log_prefix.parent.glob(f"{log_prefix.name}.*")
+             for line in p.read_text().splitlines()]  # fmt: skip
+    return max(steps, default=-1)
+
+
+def sigterm_after(tmp: Path, script: str, log_prefix: Path, *args: str) -> tuple[int, str]:
+    """Start 2 workers of ``script``, SIGTERM the agent once step 3 was logged; (exit, output)."""
+    agent = subprocess.Popen(
+        flexrun_cmd(tmp, 2, script, *args), cwd=tmp, env=env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 150
+        while last_step(log_prefix) < 3 and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.poll() is None, agent.communicate()[0][-4000:]
+        assert last_step(log_prefix) >= 3, "no step 3 within 150 s"
+        agent.send_signal(signal.SIGTERM)
+        output, _ = agent.communicate(timeout=60)
+    finally:
+        reap(agent)
+    return agent.returncode, output
+
+
+def worker_preempted(run_dir: Path) -> dict[str, Any]:
+    """The one ``preempted`` event a worker (not the agent) wrote in ``run_dir``."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (pre,) = [e for e in events if e["event"] == "preempted" and "rank" in e]
+    return pre
 
 
 def reap(p: subprocess.Popen[str]) -> None:

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from libs_support import assert_each_once, env, flexrun_cmd, needs, reap, run, trained
+from libs_support import (
+    assert_each_once,
+    last_step,
+    needs,
+    run,
+    sigterm_after,
+    trained,
+    worker_preempted,
+)
 
 pytestmark = [pytest.mark.timeout(480), needs("transformers", "datasets", "accelerate")]
 
@@ -37,47 +42,24 @@ def test_hf_trainer_every_sample_once_across_2_1_2(tmp_path: Path) -> None:
     assert marker["sampler"]["consumed"] == 3 * GLOBAL_BATCH
 
 
-def _last_step(log: Path) -> int:
-    steps = [int(line.split()[0]) for p in log.parent.glob(f"{log.name}.*")
-             for line in p.read_text().splitlines()]  # fmt: skip
-    return max(steps, default=-1)
-
-
 def test_sigterm_to_the_agent_saves_then_143_and_resumes_with_no_step_lost(
     tmp_path: Path,
 ) -> None:
     out, log = tmp_path / "out", tmp_path / "samples"
     common = ["--out", str(out), "--sample-log", str(log), "--samples", str(N)]
-    agent = subprocess.Popen(
-        flexrun_cmd(tmp_path, 2, "hf_worker.py", *common, "--step-sleep", "0.3"),
-        cwd=tmp_path, env=env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 150
-        while _last_step(log) < 3 and agent.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert agent.poll() is None, agent.communicate()[0][-4000:]
-        assert _last_step(log) >= 3, "no step 3 within 150 s"
-        agent.send_signal(signal.SIGTERM)
-        output, _ = agent.communicate(timeout=60)
-    finally:
-        reap(agent)
-    assert agent.returncode == 143, output[-4000:]
+    code, output = sigterm_after(tmp_path, "hf_worker.py", log, *common, "--step-sleep", "0.3")
+    assert code == 143, output[-4000:]
     saved = sorted(int(m) for m in re.findall(r"checkpoint-(\d+)", " ".join(
         str(p) for p in out.glob("checkpoint-*/flexrun.json"))))  # fmt: skip
     assert len(saved) == 1, (saved, output[-3000:])
     step = saved[0]
     marker = json.loads((out / f"checkpoint-{step}" / "flexrun.json").read_text())
     assert marker["preempted"] is True
-    events = [
-        json.loads(line) for line in (tmp_path / "run0" / "events.jsonl").read_text().splitlines()
-    ]
-    (pre,) = [e for e in events if e["event"] == "preempted" and "rank" in e]  # (a worker)
+    pre = worker_preempted(tmp_path / "run0")
     assert pre["step"] == step and pre["exit_code"] == 143, pre
     # Every step that was trained (logged at its start as global_step before it) is in the
     # checkpoint: the last one logged is the checkpoint's last step.
-    assert _last_step(log) == step - 1, (_last_step(log), step)
+    assert last_step(log) == step - 1, (last_step(log), step)
 
     again = run(tmp_path, 2, "hf_worker.py", *common)
     assert "resume_from=" + str(out / f"checkpoint-{step}") in again, again[-3000:]
