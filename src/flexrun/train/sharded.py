@@ -18,7 +18,10 @@ collective; ``save(step, asynchronous=True)`` returns once every rank has staged
 (``dcp.async_save``: a copy in host memory) and writes, gathers the digests and commits in
 the background over a process group of its own (gloo), so training's collectives never
 interleave with the save's (:mod:`flexrun.train.sharded_async`); the next save, ``wait()``
-or ``load()`` waits for it.
+or ``load()`` waits for it. With ``durable_every``, every save first stages each rank's own
+shards in the node's memory and only the first and every ``durable_every``-th go on to DCP;
+a load takes the newest step every rank holds a verified copy of, unless storage holds a
+newer one (:mod:`flexrun.train.memshard`).
 
 Modules and optimizers registered as they are go through
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
