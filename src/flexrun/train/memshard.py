@@ -73,6 +73,19 @@ def to_local(obj: Any) -> Any:
     return obj
 
 
+def layout(obj: Any, where: str = "") -> list[str]:
+    """How ``obj``'s DTensors are sharded: path, global shape, mesh shape and placements of
+    each (a copy loads only into the same layout)."""
+    if isinstance(obj, DTensor):
+        mesh = tuple(obj.device_mesh.shape)
+        return [f"{where}:{tuple(obj.shape)}:{mesh}:{obj.placements}"]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in layout(v, f"{where}/{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in layout(v, f"{where}/{i}")]
+    return []
+
+
 def from_local(saved: Any, template: Any, where: str = "") -> Any:
     """``saved`` (what :func:`to_local` made) shaped as ``template`` (the live state):
     each local shard back in a DTensor of the template's mesh and placements, each tensor
@@ -230,6 +243,7 @@ class ShardMemoryTier:
         assert self.dir is not None
         states = {n: o.state_dict() for n, o in ck._state_objects().items()}
         record = {"step": step, "world_size": self._ctx.world_size, "rank": self._ctx.rank}
+        record["layout"] = layout(states)
         payload: dict[str, Any] = {META: record, OBJECTS: to_local(states)}
         payload[EXTRA_FILE] = to_local(dict(extra or {}))
         if self.save_rng:
@@ -266,8 +280,9 @@ class ShardMemoryTier:
                 state = decode(blob, what=what)
                 meta = state.pop(META, None)
                 want = {"step": step, "world_size": self._ctx.world_size, "rank": self._ctx.rank}
-                if meta != want:
+                if not isinstance(meta, dict) or {k: meta.get(k) for k in want} != want:
                     raise CheckpointError(f"{what}: written as {meta}, loading as {want}")
+                state[META] = meta
             except (OSError, CheckpointError) as exc:
                 log.warning("%s unusable, trying the one before: %s", what, exc)
                 self.emit("checkpoint_memory_skipped", step=step, reason=str(exc))
@@ -289,13 +304,18 @@ class ShardMemoryTier:
         objects = ck._state_objects()
         state, error, rebuilt = found[best], None, {}
         try:
+            templates = {name: obj.state_dict() for name, obj in objects.items()}
+            if state[META].get("layout") != layout(templates):
+                raise CheckpointError(
+                    f"the copy of step {best} was sharded otherwise (another mesh or placements)"
+                )
             saved = state[OBJECTS]
             if set(saved) != set(objects):
                 raise CheckpointError(
                     f"objects {sorted(saved)} in the copy, {sorted(objects)} here"
                 )
-            for name, obj in objects.items():
-                rebuilt[name] = from_local(saved[name], obj.state_dict(), name)
+            for name in objects:
+                rebuilt[name] = from_local(saved[name], templates[name], name)
         except (CheckpointError, KeyError, TypeError) as exc:
             error = f"rank {self._ctx.rank}: {exc}"
         errors = [e for e in ck._gather(error) if e]

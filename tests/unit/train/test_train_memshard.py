@@ -125,3 +125,31 @@ def test_without_a_memory_directory_every_save_is_durable(tmp_path: Path) -> Non
         c.save(s)
     assert c.steps() == [1, 2, 3]
     assert _events(tmp_path, "checkpoint_memory_off"), "the tier said nothing"
+
+
+def test_a_copy_of_other_sharding_is_refused() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from flexrun.train.memshard import layout
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(4, 3)
+        sharded = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+        replicated = {"w": distribute_tensor(full, mesh, [Replicate()])}
+        assert layout(sharded) != layout(replicated)
+        assert layout(sharded) == layout({"w": distribute_tensor(full * 2, mesh, [Shard(0)])})
+        saved = to_local(sharded)
+        assert type(saved["w"]) is torch.Tensor
+        back = from_local(saved, sharded)
+        assert torch.equal(back["w"].full_tensor(), full)
+        assert back["w"].placements == (Shard(0),)
+        with pytest.raises(CheckpointError, match="another sharding"):
+            from_local({"w": torch.zeros(2, 3)}, sharded)
+        with pytest.raises(CheckpointError, match="dtype"):
+            from_local({"w": torch.zeros(4, 3, dtype=torch.float64)}, sharded)
+    finally:
+        dist.destroy_process_group()
