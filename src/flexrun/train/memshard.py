@@ -242,8 +242,8 @@ class ShardMemoryTier:
             self.last_durable = step
         assert self.dir is not None
         states = {n: o.state_dict() for n, o in ck._state_objects().items()}
-        record = {"step": step, "world_size": self._ctx.world_size, "rank": self._ctx.rank}
-        record["layout"] = layout(states)
+        record: dict[str, Any] = {"step": step, "world_size": self._ctx.world_size}
+        record.update(rank=self._ctx.rank, layout=layout(states))
         payload: dict[str, Any] = {META: record, OBJECTS: to_local(states)}
         payload[EXTRA_FILE] = to_local(dict(extra or {}))
         if self.save_rng:
