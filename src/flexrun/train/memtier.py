@@ -12,9 +12,9 @@ at load time: the newest step any rank's node holds a verified copy of, unless d
 storage holds a newer one; a rank whose node lacks that copy receives it from the lowest
 rank that has it (a replacement node restores from a peer), and verifies it again.
 
-Replicated (DDP) state only: every node's local rank 0 writes the whole state, so each
-node holds its own copy and a lost node costs no other node anything. It does not write
-or verify copies (:mod:`flexrun.train.memsave`, :mod:`flexrun.train.memload`).
+Replicated (DDP) state: every node's local rank 0 writes the whole state, so each
+node holds its own copy and a lost node costs no other node anything (sharded state has its
+own per-rank tier, :mod:`flexrun.train.memshard`). It does not write or verify copies (:mod:`flexrun.train.memsave`, :mod:`flexrun.train.memload`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ collective; ``save(step, asynchronous=True)`` returns once every rank has staged
 (``dcp.async_save``: a copy in host memory) and writes, gathers the digests and commits in
 the background over a process group of its own (gloo), so training's collectives never
 interleave with the save's (:mod:`flexrun.train.sharded_async`); the next save, ``wait()``
-or ``load()`` waits for it.
+or ``load()`` waits for it. With ``durable_every``, every save first stages each rank's own
+shards in the node's memory and only the first and every ``durable_every``-th go on to DCP;
+a load takes the newest step every rank holds a verified copy of, unless storage holds a
+newer one (:mod:`flexrun.train.memshard`).
 
 Modules and optimizers registered as they are go through
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
@@ -69,6 +72,7 @@ from flexrun.train.dcp_io import (
     read_safe_metadata,
 )
 from flexrun.train.layout import Staged, VerifiedCache, prune, step_dir_name, verify
+from flexrun.train.memshard import ShardMemoryTier
 from flexrun.train.options import CheckpointOptions
 from flexrun.train.progress import install_stack_dump
 from flexrun.train.serialize import load_weights_only
@@ -92,21 +96,17 @@ class ShardedCheckpointer(RankZero):
         clock: Clock = SYSTEM_CLOCK,
         **option_kwargs: Any,
     ) -> None:
-        """Same arguments as :class:`flexrun.train.Checkpointer`; of the options only
-        ``keep_last``, ``keep_every`` and ``save_rng`` apply.
+        """Same arguments as :class:`flexrun.train.Checkpointer`; of the options
+        ``keep_last``, ``keep_every``, ``save_rng`` and the memory tier's
+        ``durable_every``, ``memory_dir`` and ``memory_max_bytes`` apply: with
+        ``durable_every``, every save stages each rank's own shards into the node's memory
+        and every ``durable_every``-th (and the first) is also a DCP save
+        (:mod:`flexrun.train.memshard`).
 
         Raises:
-            CheckpointError: unusable directory, bad retention, this round is fenced, or
-                a memory tier option (``durable_every``, ``memory_dir``,
-                ``memory_max_bytes``): sharded state has no memory tier.
+            CheckpointError: unusable directory, bad retention, or this round is fenced.
         """
         self.options = CheckpointOptions.build(options, option_kwargs)
-        o = self.options
-        if o.durable_every is not None or o.memory_dir is not None or o.memory_max_bytes:
-            raise CheckpointError(
-                "ShardedCheckpointer has no memory tier: durable_every, memory_dir and "
-                "memory_max_bytes apply to Checkpointer (replicated state) only"
-            )
         install_stack_dump()
         self._ctx = ctx or current() or single_process_context()
         self._storage_options = resolve_storage_options(storage_options) or {}
@@ -117,6 +117,9 @@ class ShardedCheckpointer(RankZero):
         self._save_group: Any = None
         self._verified = VerifiedCache()
         self._setup_events(events)
+        self._mem = ShardMemoryTier.open(
+            str(directory), self.options, self._ctx, self._events, clock
+        )
         error, self._generation = None, self._ctx.round
         if self._ctx.is_main:
             try:
@@ -204,6 +207,8 @@ class ShardedCheckpointer(RankZero):
                 a failure to begin or stage); the previous checkpoint is intact.
         """
         self.wait()
+        if self._mem is not None and not self._mem.save(self, step, extra):
+            return None  # memory only
         t0 = self._clock.monotonic()
         objects = self._state_objects()
         staged, error = None, None
@@ -312,6 +317,8 @@ class ShardedCheckpointer(RankZero):
         """
         self.wait()
         t0 = self._clock.monotonic()
+        if self._mem is not None and (got := self._mem.load(self, t0)) is not None:
+            return got
         objects = self._state_objects()
         chosen, failure, skipped, info = None, None, [], None
         if self._ctx.is_main:

@@ -27,7 +27,7 @@ WORKER = HERE / "memtier_worker.py"
 STEPS = 40
 
 
-def _job(procs: Procs, name: str, *script_args: str) -> Any:
+def _job(procs: Procs, name: str, *script_args: str, worker: Path = WORKER) -> Any:
     return procs.start(
         [
             "run",
@@ -38,7 +38,7 @@ def _job(procs: Procs, name: str, *script_args: str) -> Any:
             "3",
             "--run-dir",
             str(procs.tmp / f"run-{name}"),
-            str(WORKER),
+            str(worker),
             "--ckpt-dir",
             str(procs.tmp / f"ck-{name}"),
             "--steps",

@@ -11,7 +11,7 @@ import torch
 
 from flexrun.errors import CheckpointError
 from flexrun.events import read_events
-from flexrun.train import Checkpointer, ShardedCheckpointer
+from flexrun.train import Checkpointer
 from flexrun.train.context import single_process_context
 from flexrun.train.memload import decode, newest_valid, verify_blob
 from flexrun.train.memsave import TRAILER, copy_steps, write_copy
@@ -162,12 +162,6 @@ def test_copies_verify_their_trailer(tmp_path: Path) -> None:
 def test_durable_every_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="durable_every"):
         Checkpointer(tmp_path, ctx=single_process_context(), durable_every=0)
-
-
-def test_the_sharded_checkpointer_refuses_the_memory_tier(tmp_path: Path) -> None:
-    for kw in ({"durable_every": 20}, {"memory_dir": str(tmp_path)}):
-        with pytest.raises(CheckpointError, match="ShardedCheckpointer has no memory tier"):
-            ShardedCheckpointer(tmp_path / "ck", ctx=single_process_context(), **kw)
 
 
 def test_a_memory_filesystem_that_fails_turns_the_tier_off_and_training_goes_on(
