@@ -65,7 +65,6 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
         progress = procs.tmp / f"progress{i}.jsonl"
         ckpt = procs.tmp / f"ckpt{i}.pt"
         name = f"agent{i}"
-        warm = i % 10 == 9  # twice: kill once the warm pool is ready, so spares take over
         agent = procs.start(
             [
                 "run",
@@ -74,9 +73,6 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
                 "4",
                 "--max-restarts",
                 "3",
-                # the others test the cold restart: no pool, whose torch import would race
-                # the kill (and cost each iteration a fifth more CPU)
-                *([] if warm else ["--warm-spares", "0"]),
                 "--run-dir",
                 str(procs.tmp / f"run{i}"),
                 str(DDP_STEPS),
@@ -97,6 +93,7 @@ def test_kill_9_of_one_of_four_workers_recovers_20_times_out_of_20(procs: Procs)
         wait_for(
             lambda p=progress: any(r["step"] >= 1 for r in read_progress(p)), 60, "first steps"
         )
+        warm = i % 10 == 9  # twice: kill once the warm pool is ready, so spares take over
         if warm:
             spares_dir = procs.tmp / f"run{i}" / "logs" / "spares"
             wait_for(lambda d=spares_dir: len(list(d.glob("*.ready"))) >= 4, 60, "4 ready spares")
