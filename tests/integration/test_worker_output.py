@@ -117,7 +117,8 @@ def test_a_progress_bar_on_a_terminal_updates_in_place_as_under_torchrun(
         cmd = [*argv, "--standalone", "--nproc-per-node", "1", str(script)]
         outs[name] = _run_in_pty(cmd, _env(tmp_path, go), tmp_path, go)
     for name, out in outs.items():
-        assert b"ISATTY True True" in out, (name, out[-2000:])
+        isatty = [line for line in out.splitlines() if b"ISATTY" in line]
+        assert b"ISATTY True True" in out, (name, isatty, out[:3000])
         # "\rPING" had no newline: it reached the terminal at once, or the worker would
         # have waited in vain for the test to see it.
         assert b"SAW_GO" in out, (name, out[-2000:])
