@@ -21,10 +21,8 @@ durable storage. It does not write DCP checkpoints (:mod:`flexrun.train.sharded`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -42,10 +40,9 @@ from flexrun.train.memsave import (
     copy_name,
     copy_steps,
     payload_nbytes,
-    prune,
-    remove_stale,
     write_copy,
 )
+from flexrun.train.memtier import TierBase
 from flexrun.train.options import CheckpointOptions
 from flexrun.train.rankzero import Loaded
 from flexrun.train.state import capture_rng, restore_rng
@@ -155,8 +152,10 @@ class _Checkpointer(Protocol):
     def _distributed(self) -> bool: ...
 
 
-class ShardMemoryTier:
+class ShardMemoryTier(TierBase):
     """One ShardedCheckpointer's memory tier on this rank (see the module docstring)."""
+
+    label = "sharded checkpoint memory tier"
 
     @classmethod
     def open(
@@ -180,41 +179,12 @@ class ShardMemoryTier:
         events: EventLog | None,
         clock: Clock,
     ) -> None:
-        assert options.durable_every is not None
-        self.every = options.durable_every
-        self.cap = options.memory_max_bytes
+        super().__init__(options, ctx, events, writer=True)  # (each rank its own shards)
         self.save_rng = options.save_rng
-        self._ctx, self._events, self._clock = ctx, events, clock
-        self.last_durable: int | None = None
-        self.off: str | None = None
-        self.dir: Path | None = None
-        base = options.memory_dir or ctx.memory_dir
-        if base is None:
-            self._turn_off("no memory directory (FLEXRUN_MEMORY_DIR is set by flexrun run)")
-            return
-        key = hashlib.sha256(directory.encode()).hexdigest()[:16]
-        self.dir = Path(base) / f"ckpt-{key}-sharded" / f"rank_{ctx.rank}"
-        try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            remove_stale(self.dir)
-        except OSError as exc:
-            self._turn_off(f"memory directory {self.dir} unusable: {exc}")
-
-    def emit(self, event: str, **fields: Any) -> None:
-        """An event of this rank (each rank speaks for its own shards)."""
-        if self._events is not None:
-            try:
-                self._events.emit(event, rank=self._ctx.rank, node=self._ctx.node, **fields)
-            except OSError as exc:
-                log.warning("could not log the %s event: %s", event, exc)
-
-    def _turn_off(self, reason: str) -> None:
-        if self.off is None:
-            self.off = reason
-            log.warning("sharded checkpoint memory tier off, durable saves only: %s", reason)
-            self.emit("checkpoint_memory_off", reason=reason, durable_every=self.every)
-            if self.dir is not None:
-                prune(self.dir, keep=0)
+        self._clock = clock
+        path = self._base_dir(options, directory, "-sharded")
+        if path is not None:
+            self._open_dir(path / f"rank_{ctx.rank}")
 
     # -- saving -----------------------------------------------------------------------------
     def _off_anywhere(self, ck: _Checkpointer) -> bool:

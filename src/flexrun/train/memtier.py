@@ -72,7 +72,64 @@ class MemoryLoad:
         return Loaded(step=self.step, extra=extra, world_size=self.world_size, skipped=())
 
 
-class MemoryTier:
+class TierBase:
+    """What both memory tiers share: their folder in the node's memory directory, their
+    events, and turning themselves off (durable saves only, said once, their copies
+    removed). ``writer``: this rank writes the folder's copies and speaks for them."""
+
+    label = "checkpoint memory tier"
+
+    def __init__(
+        self, options: CheckpointOptions, ctx: TrainContext, events: EventLog | None, writer: bool
+    ) -> None:
+        assert options.durable_every is not None
+        self.every = options.durable_every
+        self.cap = options.memory_max_bytes
+        self._ctx = ctx
+        self._events = events
+        self.writer = writer
+        self.last_durable: int | None = None
+        self.off: str | None = None
+        self.dir: Path | None = None
+
+    def _base_dir(self, options: CheckpointOptions, directory: str, suffix: str) -> Path | None:
+        """This checkpoint directory's folder in the memory directory (``suffix`` appended
+        to its name), or None with the tier turned off when there is no memory directory."""
+        base = options.memory_dir or self._ctx.memory_dir
+        if base is None:
+            self._turn_off("no memory directory (FLEXRUN_MEMORY_DIR is set by flexrun run)")
+            return None
+        return Path(base) / f"ckpt-{hashlib.sha256(directory.encode()).hexdigest()[:16]}{suffix}"
+
+    def _open_dir(self, path: Path) -> None:
+        """Use ``path``; the writer makes it (private) and clears a dead writer's leftovers."""
+        self.dir = path
+        if self.writer:
+            try:
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                remove_stale(path)
+            except OSError as exc:
+                self._turn_off(f"memory directory {path} unusable: {exc}")
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """An event of the copies this rank writes (a node's local rank 0 speaks for the
+        node's replicated copy; each rank for its own shards)."""
+        if self._events is not None and self.writer:
+            try:
+                self._events.emit(event, rank=self._ctx.rank, node=self._ctx.node, **fields)
+            except OSError as exc:
+                log.warning("could not log the %s event: %s", event, exc)
+
+    def _turn_off(self, reason: str) -> None:
+        if self.off is None:
+            self.off = reason
+            log.warning("%s off, durable saves only: %s", self.label, reason)
+            self.emit("checkpoint_memory_off", reason=reason, durable_every=self.every)
+            if self.dir is not None and self.writer:
+                prune(self.dir, keep=0)
+
+
+class MemoryTier(TierBase):
     """One Checkpointer's memory tier on this rank (see the module docstring)."""
 
     @classmethod
@@ -98,51 +155,16 @@ class MemoryTier:
         events: EventLog | None,
         clock: Clock,
     ) -> None:
-        assert options.durable_every is not None
-        self.every = options.durable_every
-        self.cap = options.memory_max_bytes
-        self._ctx = ctx
-        self._events = events
-        self.writer = ctx.local_rank == 0
-        """This rank writes the node's copies."""
-        self.last_durable: int | None = None
-        self.off: str | None = None
+        super().__init__(options, ctx, events, writer=ctx.local_rank == 0)
         self.wait_copies = options.memory_copy_wait
         self.skipped = 0
         """Memory-only saves whose copy was skipped: the previous one was still being
         written (``memory_copy_wait=False`` only)."""
-        base = options.memory_dir or ctx.memory_dir
-        self.dir: Path | None = None
         self.saver: MemSaver | None = None
-        if base is None:
-            self._turn_off("no memory directory (FLEXRUN_MEMORY_DIR is set by flexrun run)")
-            return
-        key = hashlib.sha256(directory.encode()).hexdigest()[:16]
-        self.dir = Path(base) / f"ckpt-{key}"
-        self.saver = MemSaver(self.dir, clock)
-        if self.writer:
-            try:
-                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                remove_stale(self.dir)
-            except OSError as exc:
-                self._turn_off(f"memory directory {self.dir} unusable: {exc}")
-
-    # -- events -----------------------------------------------------------------------------
-    def emit(self, event: str, **fields: Any) -> None:
-        """An event of this node (its local rank 0 speaks for it)."""
-        if self._events is not None and self.writer:
-            try:
-                self._events.emit(event, rank=self._ctx.rank, node=self._ctx.node, **fields)
-            except OSError as exc:
-                log.warning("could not log the %s event: %s", event, exc)
-
-    def _turn_off(self, reason: str) -> None:
-        if self.off is None:
-            self.off = reason
-            log.warning("checkpoint memory tier off, durable saves only: %s", reason)
-            self.emit("checkpoint_memory_off", reason=reason, durable_every=self.every)
-            if self.dir is not None and self.writer:
-                prune(self.dir, keep=0)
+        path = self._base_dir(options, directory, "")
+        if path is not None:
+            self.saver = MemSaver(path, clock)
+            self._open_dir(path)
 
     # -- saving -----------------------------------------------------------------------------
     def durable_now(self, step: int, blocking: bool) -> bool:
