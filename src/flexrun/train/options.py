@@ -63,8 +63,9 @@ class CheckpointOptions:
 
     persist_when_idle: bool = True
     """Run the background persist under ``SCHED_IDLE`` (Linux): it takes only CPU time
-    that training leaves unused; if training never idles, the next ``save()`` waits for
-    it (a visible stall, never a hang)."""
+    that training leaves unused. Once the training thread waits for it (the next
+    ``save()``, ``wait()``, ``load()``, ``close()``), it goes back to normal scheduling, so
+    on a node whose cores are all busy that wait lasts about the persist's own work."""
 
     save_rng: bool = True
     """Save and restore per-rank RNG states of torch/CUDA/numpy/Python."""

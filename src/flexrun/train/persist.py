@@ -30,8 +30,8 @@ from flexrun.train.layout import (
     step_dir_name,
 )
 from flexrun.train.options import CheckpointOptions
-from flexrun.train.pacing import CpuPacer
-from flexrun.train.serialize import enter_idle_priority, torch_writer
+from flexrun.train.pacing import CpuPacer, IdlePriority
+from flexrun.train.serialize import torch_writer
 from flexrun.train.state import run_copies
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class Persister:
         self._object_names = objects
         self._verified = VerifiedCache()
         self._pacer: CpuPacer | None = None
+        self._idle: IdlePriority | None = None
         self._copied = threading.Event()
         self._copied.set()
         self._copy_wait_s = 0.0
@@ -109,6 +110,7 @@ class Persister:
             if share is not None and share < 1
             else None
         )
+        self._idle = IdlePriority() if self.options.persist_when_idle else None
         self._thread = threading.Thread(
             target=self._persist_bg, args=(step, payload, pending), name=f"flexrun-ckpt-{step}"
         )
@@ -126,8 +128,11 @@ class Persister:
         return self._thread is not None and self._thread.is_alive()
 
     def join(self) -> None:
+        # Someone waits for it now: finish at full speed and at normal priority.
         if self._pacer is not None:
-            self._pacer.hurry()  # someone waits for it now: finish at full speed
+            self._pacer.hurry()
+        if self._idle is not None:
+            self._idle.leave()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -152,11 +157,14 @@ class Persister:
                 run_copies(pending)  # at normal priority: the next optimizer step waits on it
             finally:
                 self._copied.set()
-            if self.options.persist_when_idle:
-                enter_idle_priority()
+            if self._idle is not None:
+                self._idle.enter()
             self.persist(step, payload, background=True)
         except BaseException as exc:  # handed to the training thread on its next call
             self._error = exc
+        finally:
+            if self._idle is not None:
+                self._idle.done()
 
     def persist(self, step: int, payload: dict[str, Any], *, background: bool) -> None:
         t0 = self._clock.monotonic()

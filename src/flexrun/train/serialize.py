@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, cast
@@ -106,10 +105,3 @@ def save_without_zip_crc(obj: Any, f: Any) -> None:
     finally:
         guard.restore()
 
-
-def enter_idle_priority() -> None:
-    """Move the calling thread to ``SCHED_IDLE`` (Linux only; elsewhere it stays as is)."""
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError) as exc:  # not Linux or not permitted: normal priority
-        log.debug("could not lower the checkpoint thread's priority: %s", exc)

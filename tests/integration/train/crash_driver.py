@@ -5,8 +5,11 @@ forked child, so every kill is a real SIGKILL of a real process). Modes:
 
 - ``stages DIR``: for each commit stage, a child saves step 1, then SIGKILLs itself at that
   stage while saving step 2.
-- ``random DIR N SEED [MIN_S MAX_S]``: N children each save in a loop and are killed by
-  the driver after a random delay (default 0.3-1.2 s). ``DIR`` may be a URL
+- ``random DIR N SEED [MIN_S MAX_S]``: N children each load the newest checkpoint, then save
+  in a loop, and are killed by the driver a random delay (default 0.3-1.2 s) after the first
+  save handed its persist to the background: the delay is measured from there, not from the
+  fork, so how long start-up takes on a loaded machine does not decide whether a kill lands
+  in a save. ``DIR`` may be a URL
   (``s3://bucket/prefix``): storage options then come from
   ``FLEXRUN_CHECKPOINT_STORAGE_OPTIONS``, and each result also says whether the kill left
   objects no manifest names or an incomplete multipart upload (all removed by the next
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import sys
 import time
@@ -31,6 +35,8 @@ import torch
 from flexrun.train import Checkpointer
 from flexrun.train.commit import COMMIT_STAGES
 from flexrun.train.context import single_process_context
+
+READY_S = 60.0  # a loaded 2-core machine loads a checkpoint in a few seconds
 
 
 class Blob:
@@ -74,17 +80,20 @@ def _checkpointer(root: str, **kw: object) -> Checkpointer:
     return Checkpointer(root, ctx=single_process_context(), storage_options=options, **kw)  # type: ignore[arg-type]
 
 
-def writer_loop(root: str) -> None:
+def writer_loop(root: str, ready: int) -> None:
     blob = Blob(1_000_000)
     c = _checkpointer(root, keep_last=2)
     c.register("blob", blob)
     loaded = c.load()
     step = loaded.step if loaded else 0
-    sys.stdout.flush()
     while True:
         step += 1
         blob.set(step)
         c.save(step)
+        if ready >= 0:  # the first persist is under way: the driver's clock for the kill starts
+            os.write(ready, b"r")
+            os.close(ready)
+            ready = -1
 
 
 def verify(root: str) -> tuple[int | None, tuple[int, ...]]:
@@ -156,6 +165,21 @@ def fork(target: object, *args: object) -> int:
     return pid
 
 
+def start_writer(root: str) -> int:
+    """Fork a looping writer and return its pid once its first persist is under way."""
+    r, w = os.pipe()
+    pid = fork(writer_loop, root, w)
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], READY_S)
+    got = os.read(r, 1) if ready else b""
+    os.close(r)
+    if got != b"r":
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(f"writer {pid} did not reach its first save in {READY_S:.0f} s (status {status})")
+    return pid
+
+
 def main() -> None:
     torch.set_num_threads(1)  # no OpenMP pool in the parent: forked children must not deadlock
     mode, root = sys.argv[1], sys.argv[2]
@@ -179,7 +203,7 @@ def main() -> None:
         n, rng = int(sys.argv[3]), random.Random(int(sys.argv[4]))
         lo, hi = (float(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 6 else (0.3, 1.2)
         for _ in range(n):
-            pid = fork(writer_loop, root)
+            pid = start_writer(root)
             delay = rng.uniform(lo, hi)
             time.sleep(delay)
             os.kill(pid, signal.SIGKILL)
@@ -198,7 +222,7 @@ def main() -> None:
     else:
         n, rng = int(sys.argv[3]), random.Random(int(sys.argv[4]))
         for _ in range(n):
-            pid = fork(writer_loop, root)
+            pid = start_writer(root)
             delay = rng.uniform(0.3, 1.2)
             time.sleep(delay)
             staging = (

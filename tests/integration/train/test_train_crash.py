@@ -50,8 +50,9 @@ def test_kill_9_at_random_instants_during_saves_never_tears_a_checkpoint(tmp_pat
     report = _drive("random", str(tmp_path), "8", str(seed))
     steps = [r["step"] for r in report["results"]]
     assert all(r["skipped"] == [] for r in report["results"]), (seed, report)
+    # The first launch may be killed before its first save commits; every later one finds one.
     assert all(s is not None for s in steps[1:]), (seed, report)
-    assert steps == sorted(steps), (seed, report)  # resumed writers always go forward
+    assert steps[1:] == sorted(steps[1:]), (seed, report)  # resumed writers always go forward
     assert any(r["mid_save"] for r in report["results"]), report  # kills did land mid-save
 
 

@@ -28,7 +28,7 @@ def test_kill_9_at_random_instants_during_a_persist_to_s3_never_tears_a_checkpoi
     seed = random.randrange(1 << 30)
     env = dict(os.environ, OMP_NUM_THREADS="1", **s3.env())
     out = subprocess.run(
-        [sys.executable, str(DRIVER), "random", s3.url("crash"), "20", str(seed), "0.8", "2.5"],
+        [sys.executable, str(DRIVER), "random", s3.url("crash"), "20", str(seed), "0.3", "1.5"],
         capture_output=True,
         text=True,
         timeout=220,

@@ -5,6 +5,8 @@ CPU time is a counter the tests advance and rests land on a FakeClock."""
 from __future__ import annotations
 
 import io
+import os
+import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -19,7 +21,10 @@ from flexrun.train import Checkpointer
 from flexrun.train.checkpoint import DEFAULT_PERSIST_CPU_SHARE, save_without_zip_crc
 from flexrun.train.context import single_process_context
 from flexrun.train.options import DEFAULT_PERSIST_FREE_CPU_S
+from flexrun.train.pacing import IdlePriority
 from flexrun.train.storage import CpuPacer, PacedWriter
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
 
 
 class FakeCpu:
@@ -203,6 +208,68 @@ def test_a_small_checkpoint_commits_unpaced_by_default(tmp_path: Path) -> None:
     assert pacer is not None and pacer.rested_s == 0.0
     assert c.steps() == [1]
     c.wait()
+
+
+@linux_only
+@pytest.mark.timeout(30)
+def test_a_save_waiting_for_an_idle_priority_persist_puts_it_back_to_normal(
+    tmp_path: Path,
+) -> None:
+    # At SCHED_IDLE a persist gets almost no CPU while anything else on the node is busy;
+    # once the training thread waits for it, it must not stay there (a CI run saw a
+    # 0.25 s persist take 15 s beside busy processes).
+    seen: list[tuple[str, int]] = []
+    reached, go = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def hook(stage: str) -> None:
+        if stage == "dir_created":
+            tid.append(threading.get_native_id())
+            seen.append(("before", os.sched_getscheduler(0)))
+            reached.set()
+            go.wait(20)
+            seen.append(("after", os.sched_getscheduler(0)))
+
+    c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), fault_hook=hook)
+    c.register("big", _Tensor())
+    c.save(1)
+    assert reached.wait(20)
+    waiter = threading.Thread(target=c.wait)
+    waiter.start()
+    for _ in range(200):  # the waiter raises it before waiting
+        if os.sched_getscheduler(tid[0]) == os.SCHED_OTHER:
+            break
+        threading.Event().wait(0.05)
+    go.set()
+    waiter.join(20)
+    assert not waiter.is_alive()
+    assert seen == [("before", os.SCHED_IDLE), ("after", os.SCHED_OTHER)]
+    assert c.steps() == [1]  # and the persist committed
+
+
+@linux_only
+def test_idle_priority_never_lowers_a_thread_already_waited_for_nor_touches_a_finished_one() -> (
+    None
+):
+    policies: list[int] = []
+
+    def run(idle: IdlePriority) -> None:
+        idle.enter()
+        policies.append(os.sched_getscheduler(0))
+        idle.done()
+
+    late = IdlePriority()
+    late.leave()  # the waiter came before the thread lowered itself
+    t = threading.Thread(target=run, args=(late,))
+    t.start()
+    t.join(10)
+    normal = IdlePriority()
+    t = threading.Thread(target=run, args=(normal,))
+    t.start()
+    t.join(10)
+    normal.leave()  # after done(): its id may belong to another thread by now
+    assert policies == [os.SCHED_OTHER, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_checkpointer_rejects_a_negative_free_cpu(tmp_path: Path) -> None:
