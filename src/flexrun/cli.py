@@ -184,6 +184,7 @@ def main(
     # agent uses on purpose. Workers get the user's own setting (captured above).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     since = time.time()
+    ns: argparse.Namespace | None = None
     try:
         parser = build_parser(env)
         ns = parser.parse_args(argv)
@@ -197,15 +198,17 @@ def main(
         code = int(ns.func(ns))
     except FlexrunError as exc:
         print(f"flexrun: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
-    run_dir = getattr(ns, "run_dir_used", None)
-    if raising and code != 0 and run_dir is not None:
-        from flexrun.api import job_failure
+        code = 130
+    else:
+        if raising and code != 0 and getattr(ns, "run_dir_used", None) is not None:
+            from flexrun.api import job_failure
 
-        raise job_failure(code, run_dir, since)
-    if console and run_dir is not None:
+            raise job_failure(code, ns.run_dir_used, since)
+    # An agent ran (its job ended, or it failed: a rendezvous timeout, a lost store):
+    # its daemon threads may still be inside store calls.
+    if console and getattr(ns, "run_dir_used", None) is not None:
         _exit_without_finalizing(code)
     return code
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import DDP_STEPS, free_port
+from support import DDP_STEPS, SCRIPTS, free_port
 
 
 def _flexrun(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -114,6 +115,54 @@ def test_a_rendezvous_that_times_out_waiting_for_min_nodes(tmp_path: Path) -> No
         tmp_path,
     )
     _assert_clean_error(res, "rendezvous timed out", "MIN is 2")
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_run_exits_with_its_code_past_a_thread_blocked_in_a_store_call(
+    tmp_path: Path,
+) -> None:
+    # The agent's rendezvous watch sits in a C++ TCPStore wait; a CI run saw a rendezvous
+    # timeout end in 'terminate called without an active exception' (exit 134) when that
+    # wait failed while the interpreter finalized. The probe makes that happen every time.
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch.distributed as d; "
+            "s = d.TCPStore('127.0.0.1', 0, None, True, wait_for_workers=False); "
+            "print(s.port, flush=True); time.sleep(80)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]
+        env = dict(os.environ, PROBE_STORE_PORT=str(port), PROBE_STORE_PID=str(server.pid))
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(SCRIPTS / "console_with_blocked_thread.py"),
+                "run",
+                "--nnodes",
+                "2:3",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}",
+                "--rdzv-conf",
+                "join_timeout=1",
+                "--run-dir",
+                str(tmp_path / "run"),
+                str(DDP_STEPS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env=env,
+        )
+        _assert_clean_error(res, "rendezvous timed out")
+    finally:
+        server.kill()
+        server.wait(10)
 
 
 @pytest.mark.timeout(60)
