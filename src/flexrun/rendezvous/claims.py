@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from flexrun.errors import RendezvousError
 from flexrun.rendezvous.follow import claim_check_interval, should_claim
 from flexrun.rendezvous.state import RUNNING, Claim, RoundRecord
+from flexrun.store.api import local_expiry
 
 if TYPE_CHECKING:
     from flexrun.rendezvous.session import Session
@@ -39,6 +40,7 @@ class Claims:
         self._seen_number = -1  # and that header's round number
         self._vacant_since: float | None = None
         self._unranked_checks = 0  # periodic checks since this node last had a rank
+        self._expiry: float | None = None  # when the holder's keep-alive expires as judged here
 
     @property
     def watching(self) -> bool:
@@ -58,7 +60,10 @@ class Claims:
         mine = r.mine if r is not None and r.state == RUNNING else None
         rank = mine.group_rank if mine is not None and mine.member else None
         base = max(st.heartbeat_interval_s, st.heartbeat_timeout_s / 2)
-        return claim_check_interval(base, rank, self._unranked_checks)
+        return claim_check_interval(base, rank, self._unranked_checks, deputy_s=self._deputy_s())
+
+    def _deputy_s(self) -> float:
+        return self.s.settings.heartbeat_interval_s / 2
 
     def held_elsewhere(self) -> bool:
         """Another node holds the watcher claim (as last read)."""
@@ -67,8 +72,17 @@ class Claims:
 
     def due(self, now: float) -> bool:
         # From the last check, at the interval of the node's current rank: a node that
-        # just became a deputy is due at once if its last check is older than that.
-        return now >= self._last + self.interval()
+        # just became a deputy is due at once if its last check is older than that. A
+        # deputy is also due the moment the holder's keep-alive, as last read, expires.
+        interval = self.interval()
+        if now >= self._last + interval:
+            return True
+        return interval <= self._deputy_s() and self._expiry is not None and now >= self._expiry
+
+    def _judged_alive(self, key: str) -> None:
+        """The holder's keep-alive ``key`` was just read alive: note when it would expire
+        (where the store says: tcp judges it by this client's clock)."""
+        self._expiry = local_expiry(self.s.store, key)
 
     def _checked_at(self, now: float) -> None:
         self._last = now
@@ -87,8 +101,10 @@ class Claims:
         claim = self.claim
         if claim is None or not self.held_elsewhere():
             return False
-        if s.store.get(s.keys.heartbeat(claim.node)) is None:
+        key = s.keys.heartbeat(claim.node)
+        if s.store.get(key) is None:
             return False
+        self._judged_alive(key)
         self._checked_at(now)
         return True
 
@@ -127,7 +143,12 @@ class Claims:
             # The holder's keep-alive: on the periodic check (what bounds the fallback),
             # or when the holder is new to this node; not at every header change (a
             # round's publication would cost every follower a second read).
-            alive = s.store.get(s.keys.heartbeat(claim.node)) is not None
+            key = s.keys.heartbeat(claim.node)
+            alive = s.store.get(key) is not None
+            if alive:
+                self._judged_alive(key)
+            else:
+                self._expiry = None
         if claim is None:
             self._vacant_since = now if self._vacant_since is None else self._vacant_since
         else:

@@ -73,28 +73,37 @@ EARLY_CHECKS = 3
 """A node outside a running round checks at the full rate this many times, then sparsely."""
 
 
-def claim_check_interval(base_s: float, group_rank: int | None, unranked_checks: int = 0) -> float:
+def claim_check_interval(
+    base_s: float,
+    group_rank: int | None,
+    unranked_checks: int = 0,
+    *,
+    deputy_s: float | None = None,
+) -> float:
     """How often a follower reads the watcher claim and the holder's keep-alive, given
     its group rank in the running round (None: no round, not a member, or no slice yet)
     and, without one, how many checks it made since it last had one.
 
     Only one follower has to notice that the watcher died: the members of group rank
-    0..:data:`DEPUTIES` check every ``base_s`` (the watcher is then replaced within the
-    heartbeat timeout plus two checks, as when everyone checked), the others every
-    ``SPARSE_CHECKS x base_s`` (the bound should the watcher and every deputy die at
-    once). Everyone checking cost the store 2N requests per ``base_s``: at 1024 nodes on
-    etcd (3.5 s) ~590 a second, more than the keep-alives' 440. A node outside a running
-    round (before the first, in a pending one, on standby) has no rank to be judged by:
-    it checks at the full rate for its first :data:`EARLY_CHECKS` checks (a node that
-    just joined finds a dead watcher at once), then sparsely, so that a formation that
-    takes minutes at thousands of nodes does not cost every node a claim read per
-    ``base_s`` (4096 nodes, 40 s: ~16 requests a node). A watcher that dies while no
-    round runs is then replaced within the heartbeat timeout plus ``SPARSE_CHECKS x
+    0..:data:`DEPUTIES` of a running round check every ``deputy_s`` (default ``base_s``;
+    the agent passes half the heartbeat interval, so a deputy reads each keep-alive write
+    within that, and its local TTL judgement trails the holder's last write by no more;
+    where the store says when a keep-alive it read expires, a deputy also checks right
+    then: :class:`flexrun.rendezvous.claims.Claims`), the others every ``SPARSE_CHECKS x
+    base_s`` (the bound should the watcher and every deputy die at once). Everyone
+    checking cost the store 2N requests per ``base_s``: at 1024 nodes on etcd (3.5 s)
+    ~590 a second, more than the keep-alives' 440; four deputies at 0.5 s cost 8. A node
+    outside a running round (before the first, in a pending one, on standby) has no rank
+    to be judged by: it checks every ``base_s`` for its first :data:`EARLY_CHECKS` checks
+    (a node that just joined finds a dead watcher at once), then sparsely, so that a
+    formation that takes minutes at thousands of nodes does not cost every node a claim
+    read per ``base_s`` (4096 nodes, 40 s: ~16 requests a node). A watcher that dies
+    while no round runs is then replaced within the heartbeat timeout plus ``SPARSE_CHECKS x
     base_s`` at worst, or at once by the next node to join; nothing trains meanwhile."""
     if group_rank is None:
         return base_s if unranked_checks < EARLY_CHECKS else base_s * SPARSE_CHECKS
     if group_rank <= DEPUTIES:
-        return base_s
+        return base_s if deputy_s is None else deputy_s
     return base_s * SPARSE_CHECKS
 
 
@@ -125,4 +134,12 @@ def should_claim(
     return watcher_alive is False
 
 
-__all__ = ["DEPUTIES", "EARLY_CHECKS", "SPARSE_CHECKS", "FollowView", "claim_check_interval", "follow", "should_claim"]
+__all__ = [
+    "DEPUTIES",
+    "EARLY_CHECKS",
+    "SPARSE_CHECKS",
+    "FollowView",
+    "claim_check_interval",
+    "follow",
+    "should_claim",
+]

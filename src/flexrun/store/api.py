@@ -189,3 +189,12 @@ class JudgesTtl(Protocol):
 def judges_ttl_locally(store: object) -> bool:
     """Whether ``store``'s readers judge keep-alive TTLs themselves (:class:`JudgesTtl`)."""
     return isinstance(store, JudgesTtl) and bool(store.judges_ttl_locally)
+
+
+def local_expiry(store: object, key: str) -> float | None:
+    """When (monotonic clock) ``store``'s client will judge the keep-alive ``key`` expired
+    unless it reads a newer write first: the optional ``expires_at(key)`` of a store that
+    judges TTLs locally (tcp). None: the store does not say (etcd expires keys itself),
+    or this client has not read that keep-alive."""
+    at = getattr(store, "expires_at", None)
+    return at(key) if callable(at) else None

@@ -63,6 +63,7 @@ MAGIC = b"FXS1"
 MAX_RECORD = 4 << 20  # larger values are rejected unread (the rendezvous writes < 100 KB)
 _CONTEXT = b"flexrun-record-v1"
 
+
 def tag_of(secret: bytes, key: str, seq: bytes, ttl: bytes, payload: bytes) -> bytes:
     mac = hmac.new(secret, digestmod=hashlib.sha256)
     for part in (_CONTEXT, key.encode(), seq, ttl, payload):
@@ -140,6 +141,19 @@ class SignedStore:
     @property
     def judges_ttl_locally(self) -> bool:
         return bool(getattr(self.inner, "judges_ttl_locally", False))
+
+    def expires_at(self, key: str) -> float | None:
+        """When this reader will judge the keep-alive ``key`` expired unless it reads a
+        newer write first (where the inner store judges TTLs locally); None: unknown."""
+        inner = getattr(self.inner, "expires_at", None)
+        if not self.judges_ttl_locally or inner is None:
+            return None
+        at = inner(key)
+        with self._lock:
+            known = self._known.get(key)
+        if at is None or known is None or known.ttl_s is None:
+            return at
+        return max(at, known.seq_since + known.ttl_s)
 
     @property
     def rejected(self) -> int:

@@ -121,7 +121,7 @@ class TcpStore:
         self._local.client = self._connect()
         self._seen_lock = threading.Lock()
         # key -> (revision, monotonic time this client first saw that revision)
-        self._seen: dict[str, tuple[int, float]] = {}
+        self._seen: dict[str, tuple[int, float, float]] = {}  # key -> (rev, first seen, ttl)
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
         self._junk = Junk(self)  # what stands for bytes that are not this encoding
         self.rejects = self._junk.rejects  # (what it ignores: see report_to)
@@ -272,10 +272,17 @@ class TcpStore:
             with self._seen_lock:
                 seen = self._seen.get(key)
                 if seen is None or seen[0] != rev:
-                    self._seen[key] = (rev, now)
+                    self._seen[key] = (rev, now, ttl)
                 elif now - seen[1] >= ttl:
                     return None
         return Entry(payload, rev)
+
+    def expires_at(self, key: str) -> float | None:
+        """When (this client's monotonic clock) it will judge the keep-alive ``key``
+        expired unless it reads a newer write first; None: no keep-alive of that name read."""
+        with self._seen_lock:
+            seen = self._seen.get(key)
+        return None if seen is None else seen[1] + seen[2]
 
     # -- protocol ---------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:

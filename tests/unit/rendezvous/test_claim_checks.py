@@ -122,6 +122,11 @@ def test_the_first_group_ranks_check_the_watcher_at_the_full_rate_the_others_ten
     assert claim_check_interval(BASE_S, None, EARLY_CHECKS) == BASE_S * SPARSE_CHECKS
     assert all(claim_check_interval(BASE_S, r) == BASE_S for r in range(DEPUTIES + 1))
     assert claim_check_interval(BASE_S, DEPUTIES + 1) == BASE_S * SPARSE_CHECKS
+    # Deputies of a running round at their own rate (the agent: half a heartbeat interval);
+    # nodes without a rank and the ranks past the deputies keep theirs.
+    assert all(claim_check_interval(BASE_S, r, deputy_s=0.5) == 0.5 for r in range(DEPUTIES + 1))
+    assert claim_check_interval(BASE_S, None, deputy_s=0.5) == BASE_S
+    assert claim_check_interval(BASE_S, DEPUTIES + 1, deputy_s=0.5) == BASE_S * SPARSE_CHECKS
 
 
 def test_a_running_round_costs_the_followers_outside_the_first_ranks_a_tenth_of_the_claim_checks() -> (

@@ -644,6 +644,48 @@ def test_a_node_joining_after_a_kill_does_not_start_a_round_storm() -> None:
         server.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("phase", [0.05, 0.45, 0.95])
+def test_on_the_tcp_store_a_deputy_replaces_a_killed_watcher_within_its_timeout_and_half_a_beat(
+    phase: float,
+) -> None:
+    """Issue 35: a lost watcher is noticed within the heartbeat timeout (plus half a beat,
+    how often a deputy reads the keep-alive, and one agent tick), wherever in its beat it
+    died. Before, a deputy read it every max(interval, timeout / 2) and judged it only on
+    those reads: up to timeout + 2 x that after the last beat (7.9 s of a 6 s target with
+    default flags, measured)."""
+    clock = FakeClock()
+    server = TcpStoreServer("127.0.0.1", 0)
+    hs: list[RendezvousHandler] = []
+    try:
+        n1, n2 = _join(server.port, "n1", clock), _join(server.port, "n2", clock)
+        hs += [n1, n2]
+        r1 = _settle(n1, None).round
+        assert _settle(n2, None).round == r1 and n1.watching and not n2.watching
+        tick, last_beat = 0.1, clock.monotonic()
+        for _ in range(int((5 + phase) / tick)):  # both train; n1 dies ``phase`` into a beat
+            clock.advance(tick)
+            if clock.monotonic() - last_beat >= 1.0 - 1e-9:
+                _beat(n1, n2)
+                last_beat = clock.monotonic()
+            n1.step(r1.number)
+            n2.step(r1.number)
+        t_last = last_beat  # n1's last keep-alive; kill -9 now
+        while not n2.watching:
+            assert clock.monotonic() - t_last <= TCP_S.heartbeat_timeout_s + 0.5 + 2 * tick
+            clock.advance(tick)
+            if clock.monotonic() - last_beat >= 1.0 - 1e-9:
+                _beat(n2)
+                last_beat = clock.monotonic()
+            n2.step(r1.number)
+        r2 = _settle(n2, r1.number).round
+        assert r2.member_ids == ["n2"] and r2.reason == "node_lost"
+    finally:
+        for h in hs:
+            h.store.close()
+        server.close()
+
+
 class Waits:
     """A store that counts its wait_for_change calls."""
 
