@@ -65,7 +65,10 @@ class CheckpointOptions:
     """Run the background persist under ``SCHED_IDLE`` (Linux): it takes only CPU time
     that training leaves unused. Once the training thread waits for it (the next
     ``save()``, ``wait()``, ``load()``, ``close()``), it goes back to normal scheduling, so
-    on a node whose cores are all busy that wait lasts about the persist's own work."""
+    on a node whose cores are all busy that wait lasts about the persist's own work. Linux
+    lets a process leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or ``ulimit -e 20``;
+    without either (an unprivileged user's default, most containers) the persist stays
+    at normal priority, paced by ``persist_cpu_share`` alone (logged once)."""
 
     save_rng: bool = True
     """Save and restore per-rank RNG states of torch/CUDA/numpy/Python."""

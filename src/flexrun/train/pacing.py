@@ -189,6 +189,44 @@ class PieceWriter:
         self._raw.flush()
 
 
+def _can_leave_idle() -> bool:
+    """Whether a thread of this process can go back from ``SCHED_IDLE`` to normal
+    scheduling: Linux allows it only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` of 20
+    (an unprivileged user's default is 0, and containers drop the capability). Tried once
+    on a short-lived thread of its own; the answer is kept for the process."""
+    global _LEAVE_OK
+    if _LEAVE_OK is None:
+        result: list[bool] = []
+
+        def probe() -> None:
+            tid = threading.get_native_id()
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except (AttributeError, OSError):
+                result.append(False)  # not Linux, or not even that
+                return
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                result.append(True)
+            except OSError:
+                result.append(False)
+
+        t = threading.Thread(target=probe, name="flexrun-sched-probe", daemon=True)
+        t.start()
+        t.join(5.0)
+        _LEAVE_OK = bool(result and result[0])
+        if not _LEAVE_OK:
+            log.info(
+                "background checkpoint persists run at normal priority (paced to their CPU "
+                "share): SCHED_IDLE could not be left again when a save waits for one "
+                "(needs CAP_SYS_NICE or `ulimit -e 20`)"
+            )
+    return _LEAVE_OK
+
+
+_LEAVE_OK: bool | None = None
+
+
 class IdlePriority:
     """Runs a background thread under ``SCHED_IDLE`` (Linux) until someone waits for it.
 
@@ -198,7 +236,9 @@ class IdlePriority:
     ``save()``, ``wait()``, ``load()``): :meth:`leave`, called by the waiter, puts the
     thread back to normal scheduling, so the wait lasts about the persist's own work
     instead of until the node idles (a 0.25 s persist took 15 s beside three busy
-    processes on 2 cores before).
+    processes on 2 cores before). Where the process may not go back from ``SCHED_IDLE``
+    (:func:`_can_leave_idle`), the thread is never lowered: a stall the waiter cannot end
+    is worse than the CPU share the pacer already bounds.
 
     :meth:`enter` and :meth:`done` are called by the background thread, :meth:`leave` by
     any other; a thread that has been left is never lowered again.
@@ -210,7 +250,10 @@ class IdlePriority:
         self._left = False
 
     def enter(self) -> None:
-        """Lower the calling thread to ``SCHED_IDLE`` (unless :meth:`leave` came first)."""
+        """Lower the calling thread to ``SCHED_IDLE`` (unless :meth:`leave` came first,
+        or it could not be raised again)."""
+        if not _can_leave_idle():
+            return
         with self._lock:
             if self._left:
                 return
@@ -231,7 +274,7 @@ class IdlePriority:
                 return
             try:
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            except OSError as exc:  # e.g. RLIMIT_NICE forbids it: the wait stays slow
+            except OSError as exc:  # (the probe said it could: limits changed since)
                 log.warning(
                     "could not raise the checkpoint thread's priority while waiting for it "
                     "(%s): the wait lasts until the node's cores are free",

@@ -230,6 +230,10 @@ def test_a_save_waiting_for_an_idle_priority_persist_puts_it_back_to_normal(
             go.wait(20)
             seen.append(("after", os.sched_getscheduler(0)))
 
+    from flexrun.train.pacing import _can_leave_idle
+
+    if not _can_leave_idle():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20)")
     c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), fault_hook=hook)
     c.register("big", _Tensor())
     c.save(1)
@@ -251,6 +255,10 @@ def test_a_save_waiting_for_an_idle_priority_persist_puts_it_back_to_normal(
 def test_idle_priority_never_lowers_a_thread_already_waited_for_nor_touches_a_finished_one() -> (
     None
 ):
+    from flexrun.train.pacing import _can_leave_idle
+
+    if not _can_leave_idle():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20)")
     policies: list[int] = []
 
     def run(idle: IdlePriority) -> None:
@@ -270,6 +278,47 @@ def test_idle_priority_never_lowers_a_thread_already_waited_for_nor_touches_a_fi
     normal.leave()  # after done(): its id may belong to another thread by now
     assert policies == [os.SCHED_OTHER, os.SCHED_IDLE]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+UNPRIVILEGED = """
+import os, threading
+from flexrun.train import pacing
+seen = []
+def run():
+    idle = pacing.IdlePriority()
+    idle.enter()
+    seen.append(os.sched_getscheduler(0))
+    idle.done()
+t = threading.Thread(target=run)
+t.start()
+t.join(10)
+print(pacing._can_leave_idle(), seen == [os.SCHED_OTHER])
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_where_idle_priority_could_not_be_left_the_persist_thread_is_never_lowered() -> None:
+    # An unprivileged user (RLIMIT_NICE 0, no CAP_SYS_NICE, as in most containers) may
+    # enter SCHED_IDLE but never leave it: a save waiting for such a persist could not end
+    # its stall, so the thread stays at normal priority (paced) instead.
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a process as an unprivileged user")
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable]
+        + ["-c", UNPRIVILEGED],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=dict(os.environ, PYTHONPATH=src),
+        cwd="/",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout
 
 
 def test_checkpointer_rejects_a_negative_free_cpu(tmp_path: Path) -> None:
