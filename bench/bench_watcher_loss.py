@@ -17,6 +17,7 @@ Issue 35's target: within the heartbeat timeout + 1 s (6 s with default flags).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -116,10 +117,8 @@ def trial(sig: signal.Signals, warm_steps: int, timeout_s: float) -> float:
         return first - t0
     finally:
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(30)
         store.kill()
         store.wait(30)

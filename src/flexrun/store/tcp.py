@@ -112,15 +112,13 @@ class TcpStore:
         op_timeout_s: float = 30.0,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self.host = host
-        self.port = port
+        self.host, self.port = host, port
         self._clock = clock
         self._op_timeout = timedelta(seconds=op_timeout_s)
         probe(host, port, connect_timeout_s, clock)
         self._local = threading.local()
         self._local.client = self._connect()
         self._seen_lock = threading.Lock()
-        # key -> (revision, monotonic time this client first saw that revision)
         self._seen: dict[str, tuple[int, float, float]] = {}  # key -> (rev, first seen, ttl)
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
         self._junk = Junk(self)  # what stands for bytes that are not this encoding
@@ -257,11 +255,8 @@ class TcpStore:
         self._remember(key, raw)
         return raw
 
-    def _judged(self, key: str, raw: bytes | None) -> tuple[int, float | None, bytes | None] | None:
-        return self._junk.judged(key, raw)
-
     def _live(self, key: str, raw: bytes | None) -> Entry | None:
-        decoded = self._judged(key, raw)
+        decoded = self._junk.judged(key, raw)
         if decoded is None:
             return None
         rev, ttl, payload = decoded
@@ -278,10 +273,9 @@ class TcpStore:
         return Entry(payload, rev)
 
     def expires_at(self, key: str) -> float | None:
-        """When (this client's monotonic clock) it will judge the keep-alive ``key``
-        expired unless it reads a newer write first; None: no keep-alive of that name read."""
-        with self._seen_lock:
-            seen = self._seen.get(key)
+        """When (monotonic) this client will judge the keep-alive ``key`` expired unless it
+        reads a newer write first; None: it has read no keep-alive of that name."""
+        seen = self._seen.get(key)  # (one tuple, replaced whole under the lock)
         return None if seen is None else seen[1] + seen[2]
 
     # -- protocol ---------------------------------------------------------------------
@@ -357,7 +351,7 @@ class TcpStore:
         """The revision a raw value under ``key`` stands for (0: absent or a tombstone;
         junk stands for the last value read under the key: a compare-and-set expecting
         that one's revision replaces the junk)."""
-        decoded = self._judged(key, raw)
+        decoded = self._junk.judged(key, raw)
         return decoded[0] if decoded is not None and decoded[2] is not None else 0
 
     def delete(self, key: str) -> None:
