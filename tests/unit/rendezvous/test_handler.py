@@ -3,9 +3,10 @@ keep-alive TTLs themselves) with a fake clock: one watcher proposes, the others 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pytest
 
@@ -592,6 +593,25 @@ def _join(port: int, node: str, clock: FakeClock) -> RendezvousHandler:
     )
 
 
+@contextlib.contextmanager
+def _tcp_round_of_two(
+    clock: FakeClock,
+) -> Iterator[tuple[TcpStoreServer, list[RendezvousHandler], RoundRecord]]:
+    """n1 and n2 on a real TcpStore, both in round 1 (n1 joined first); every handler in
+    the yielded list (append more) and the server are closed afterwards."""
+    server = TcpStoreServer("127.0.0.1", 0)
+    hs: list[RendezvousHandler] = []
+    try:
+        hs += [_join(server.port, "n1", clock), _join(server.port, "n2", clock)]
+        r1 = _settle(hs[0], None).round
+        assert _settle(hs[1], None).round == r1
+        yield server, hs, r1
+    finally:
+        for h in hs:
+            h.store.close()
+        server.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_node_joining_after_a_kill_does_not_start_a_round_storm() -> None:
     """Chaos finding: n1 was killed; n2 dropped it (node_lost); n3, started just then,
@@ -599,13 +619,9 @@ def test_a_node_joining_after_a_kill_does_not_start_a_round_storm() -> None:
     without n1 alternated. Now only the watcher proposes, and it takes a newcomer in only
     once it has seen its keep-alive renewed."""
     clock = FakeClock()
-    server = TcpStoreServer("127.0.0.1", 0)
-    hs: list[RendezvousHandler] = []
-    try:
-        n1, n2 = _join(server.port, "n1", clock), _join(server.port, "n2", clock)
-        hs += [n1, n2]
-        r1 = _settle(n1, None).round
-        assert _settle(n2, None).round == r1 and r1.member_ids == ["n1", "n2"]
+    with _tcp_round_of_two(clock) as (server, hs, r1):
+        n1, n2 = hs
+        assert r1.member_ids == ["n1", "n2"]
         clock.advance(1.0)
         n1._beat()  # n1's last keep-alive, then kill -9 (n1 was the watcher)
         for _ in range(8):  # n2 judges n1's keep-alive stale, takes over, proposes
@@ -638,10 +654,6 @@ def test_a_node_joining_after_a_kill_does_not_start_a_round_storm() -> None:
             n2.step(running["n2"])
         act = _settle(n1, None)
         assert act.round.member_ids == ["n2", "n3", "n1"]
-    finally:
-        for h in hs:
-            h.store.close()
-        server.close()
 
 
 @pytest.mark.timeout(60)
@@ -655,13 +667,9 @@ def test_on_the_tcp_store_a_deputy_replaces_a_killed_watcher_within_its_timeout_
     those reads: here 4.0 s after the last beat (now 3.0 s); with default flags up to
     timeout + 2 x 2.5 s (the issue measured 8.2 s)."""
     clock = FakeClock()
-    server = TcpStoreServer("127.0.0.1", 0)
-    hs: list[RendezvousHandler] = []
-    try:
-        n1, n2 = _join(server.port, "n1", clock), _join(server.port, "n2", clock)
-        hs += [n1, n2]
-        r1 = _settle(n1, None).round
-        assert _settle(n2, None).round == r1 and n1.watching and not n2.watching
+    with _tcp_round_of_two(clock) as (_, hs, r1):
+        n1, n2 = hs
+        assert n1.watching and not n2.watching
         tick, last_beat = 0.1, clock.monotonic()
         for _ in range(int((5 + phase) / tick)):  # both train; n1 dies ``phase`` into a beat
             clock.advance(tick)
@@ -680,10 +688,6 @@ def test_on_the_tcp_store_a_deputy_replaces_a_killed_watcher_within_its_timeout_
             n2.step(r1.number)
         r2 = _settle(n2, r1.number).round
         assert r2.member_ids == ["n2"] and r2.reason == "node_lost"
-    finally:
-        for h in hs:
-            h.store.close()
-        server.close()
 
 
 class Waits:
