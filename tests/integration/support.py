@@ -94,14 +94,21 @@ class Procs:
         self.tree: set[int] = set()
 
     def start(
-        self, args: list[str], *, env: dict[str, str] | None = None, name: str = "p"
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        name: str = "p",
+        stdin: int | None = None,
     ) -> subprocess.Popen[str]:
+        """``python -m flexrun ARGS``; ``stdin``: as Popen's (None: this process's own)."""
         full_env = dict(os.environ)
         full_env.update(env or {})
         out = open(self.tmp / f"{name}.out", "w")  # noqa: SIM115
         err = open(self.tmp / f"{name}.err", "w")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "flexrun", *args],
+            stdin=stdin,
             stdout=out,
             stderr=err,
             text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import time
 
 import psutil
@@ -56,6 +57,56 @@ def test_unmodified_torchrun_script_trains_to_completion(procs: Procs) -> None:
     assert {r["world"] for r in rows} == {2}
     events = {e["event"] for e in read_events(procs.tmp / "run")}
     assert {"rendezvous_completed", "worker_started", "worker_exited", "job_finished"} <= events
+
+
+def _parent(pid: int) -> psutil.Process:
+    parent = psutil.Process(pid).parent()
+    assert parent is not None, pid
+    return parent
+
+
+@pytest.mark.timeout(180)
+def test_first_workers_come_from_the_warm_pool_unless_stdin_could_carry_something(
+    procs: Procs,
+) -> None:
+    """Restart mode, one node: with stdin /dev/null the first workers are forks of the
+    pool's zygote (one import torch for all) showing the script's command line; with a pipe
+    they start cold, children of the agent, and inherit it (as torchrun's)."""
+    agents = {}
+    for how, stdin in (("null", subprocess.DEVNULL), ("pipe", subprocess.PIPE)):
+        agents[how] = procs.start(
+            [
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--run-dir",
+                str(procs.tmp / how),
+                str(DDP_STEPS),
+                "--steps",
+                "80",
+                "--step-time",
+                "0.1",
+                "--progress",
+                str(procs.tmp / f"{how}.jsonl"),
+            ],
+            name=how,
+            stdin=stdin,
+        )
+    parents = {}
+    for how, agent in agents.items():
+        pids = _worker_pids(agent.pid, 2)
+        parents[how] = {" ".join(_parent(pid).cmdline()) for pid in pids}
+        assert all(f"-u {DDP_STEPS} --steps 80" in " ".join(psutil.Process(p).cmdline())
+                   for p in pids)  # fmt: skip
+    assert len(parents["null"]) == 1 and "flexrun.spares.spare --fork-server" in next(
+        iter(parents["null"])
+    ), parents
+    assert len(parents["pipe"]) == 1 and "flexrun run" in next(iter(parents["pipe"])), parents
+    for how, agent in agents.items():
+        if agent.stdin is not None:
+            agent.stdin.close()
+        assert agent.wait(timeout=120) == 0, procs.stderr(how)[-3000:]
 
 
 @pytest.mark.timeout(900)

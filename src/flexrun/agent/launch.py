@@ -14,7 +14,7 @@ from pathlib import Path
 from flexrun.agent.agent import Agent
 from flexrun.agent.restart import RestartRunner
 from flexrun.agent.runner import MasterSource, Runner
-from flexrun.agent.warm import live_pool, restart_pool
+from flexrun.agent.warm import first_workers_warm, live_pool, restart_pool
 from flexrun.agent.worker_store import RoundStores, WorkerStores, shares_agent_store
 from flexrun.config import RunConfig, StoreSettings, backend_named
 from flexrun.errors import ConfigError, StoreUnavailable
@@ -194,11 +194,11 @@ def launch(config: RunConfig) -> int:
         # Live mode: this node's first workers boot now, before the agent imports torch
         # for its store client, and become the workers once the node is admitted.
         live_spares.fill(count=config.worker.nproc_per_node)
-    elif pool is not None and (config.store.endpoints or config.spares.spares_dir is not None):
-        # A node of a multi-node job (likely joining a running one): start its warm
-        # interpreters now, so that they import torch while this agent connects and meets
-        # the others, and its first workers start warm (or take them warm from the node's
-        # `flexrun spares`).
+    elif pool is not None and first_workers_warm(config):
+        # Restart mode: the warm pool's zygote imports torch once while this agent opens
+        # its store and meets the others; the node's first workers are forked from it
+        # (one import instead of one per worker: sooner and with less CPU,
+        # bench/results/startup.txt), or taken warm from the node's `flexrun spares`.
         pool.fill()
     metrics = follower = None
     sampler = None

@@ -13,6 +13,7 @@ the same environment) gets no pool, and its workers start cold under that interp
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Mapping
 
@@ -56,6 +57,30 @@ def restart_pool(config: RunConfig) -> WarmPool | None:
         # milliseconds, so that a second failure right after the first finds them ready.
         fork_server=True,
     )
+
+
+def _stdin_carries_nothing() -> bool:
+    """This process's stdin is /dev/null or closed: a worker could read nothing from it."""
+    try:
+        st = os.fstat(0)
+    except OSError:
+        return True
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
+
+
+def first_workers_warm(config: RunConfig) -> bool:
+    """Whether restart mode's first workers come from the warm pool (started with the agent).
+
+    A node of a multi-node job, or one with a node's ``flexrun spares``, always: its spares
+    import torch while the agent meets the others. A single node when its stdin carries
+    nothing, as under a batch system or a pod: one zygote's ``import torch`` then serves
+    every worker. Where the agent's stdin is a terminal, a pipe or a file, its first workers
+    start cold and inherit it, as torchrun's do (``breakpoint()`` works; a spare's stdin is
+    its assignment channel and it gets ``/dev/null``).
+    """
+    if config.store.endpoints or config.spares.spares_dir is not None:
+        return True
+    return _stdin_carries_nothing()
 
 
 def live_pool(config: RunConfig) -> WarmPool | None:

@@ -6,8 +6,11 @@ handing itself to a warm agent (one line and three descriptors on the agent's ow
 from a peer of this uid only, see :func:`flexrun.spares.client.run_in_warm_agent`). Either
 way it announces readiness, reads and validates the one message, takes on the sender's
 context (environment, working directory, output, ``sys.path``) and ties this process's
-life to its new owner. What makes an interpreter warm (torch) is its entry point's
-(:mod:`flexrun.spares.spare`, :mod:`flexrun.warm_agent`); standard library only here.
+life to its new owner. A spare that becomes a worker takes the command line a worker
+started fresh would have (``ps``, ``pgrep -f train.py`` and ``/proc/PID/cmdline`` show the
+script, not the spare). What makes an interpreter warm (torch) is its entry point's
+(:mod:`flexrun.spares.spare`, :mod:`flexrun.warm_agent`); standard library and
+``setproctitle`` only here.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from typing import IO
+
+import setproctitle
 
 from flexrun.errors import SparesError, SparesProtocolError, SparesUntrusted
 from flexrun.spares.lifeline import die_with, run_recorded
@@ -87,6 +92,10 @@ def _become_worker(task: Assignment, prepare: Prepare | None) -> int:
             target = os.open(stream, flags, 0o600)
             os.dup2(target, fd)
             os.close(target)
+    # (as flexrun.proc.spawn.build_command starts a fresh one; before the environment is
+    # swapped: setproctitle finds the command line's memory from the environment's)
+    fresh = [sys.executable, "-u", *(["-m"] if task.module else []), task.entry, *task.args]
+    setproctitle.setproctitle(" ".join(fresh))
     _take_context(task.env, task.cwd, task.agent_pid)
     for entry in reversed(task.env.get("PYTHONPATH", "").split(os.pathsep)):
         if entry and entry not in sys.path:

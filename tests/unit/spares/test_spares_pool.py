@@ -25,7 +25,8 @@ import json, os, sys
 with open(sys.argv[1], "w") as fh:
     json.dump({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:],
                "rank": os.environ.get("RANK"), "err": os.environ["TORCHELASTIC_ERROR_FILE"],
-               "spare_env": os.environ.get("FLEXRUN_SPARE_READY")}, fh)
+               "spare_env": os.environ.get("FLEXRUN_SPARE_READY"),
+               "cmdline": open("/proc/self/cmdline").read()}, fh)
 print("hello from the worker")
 sys.exit(int(sys.argv[2]))
 """
@@ -122,6 +123,9 @@ def test_an_assigned_spare_runs_the_script_as_a_fresh_worker_would(
     assert got["pid"] == w.proc.pid and got["cwd"] == str(work) and got["rank"] == "3"
     assert got["argv"] == [str(out), "3"] and got["err"] == str(log_dir / "error.json")
     assert got["spare_env"] is None  # the worker's environment replaced the spare's
+    # ps and pgrep -f see what a fresh worker's command line would be, not the spare's
+    title = got["cmdline"].rstrip("\0")
+    assert title == f"{sys.executable} -u {script} {out} 3", got["cmdline"]
     assert (log_dir / "stdout.log").read_text() == "hello from the worker\n"
     assert (w.rank, w.local_rank, w.log_dir) == (3, 0, log_dir)
 
