@@ -9,7 +9,11 @@ counted from the first trained step) under:
   ``flexrun store``, ``--nproc-per-node N``;
 * flexrun live mode: the same with ``--mode live`` (LiveLoop; warm spare by default);
 * torchrun ``--standalone --nproc-per-node N --max-restarts 1000`` with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``;
+* ``restart+mem`` (only when named in ``--launchers``): restart mode with the checkpoint memory
+  tier (issue 34): ``save()`` every step, a durable save every ``--ckpt-every`` steps
+  (``Checkpointer(durable_every=...)``), so a restarted worker resumes from the agent's memory
+  copy of the last step instead of the last durable checkpoint.
 
 ETTR is computed one way for all three, from the workload's own step logs, as productive
 step time over wall time. Productive step time counts step to step: each committed step
@@ -39,6 +43,8 @@ it measures is the time the kills cost), and the same over the training spans al
     flock -x -w 2400 /tmp/flexrun-heavy.lock timeout 1500 python3 bench/bench_goodput.py
     python3 bench/bench_goodput.py --interval 12 --jitter 0.167   # a kill every 10-14 s
     python3 bench/bench_goodput.py --interval 12 --jitter 0.167 --ckpt-every 4   # issue 20
+    python3 bench/bench_goodput.py --interval 12 --jitter 0.167 \
+        --launchers restart,restart+mem,live,torchrun                         # issue 34
 """
 
 from __future__ import annotations
@@ -71,7 +77,12 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.09)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=420.0, help="per launcher")
-    p.add_argument("--launchers", default="restart,live,torchrun")
+    p.add_argument(
+        "--launchers",
+        default="restart,live,torchrun",
+        help="comma-separated: restart, live, torchrun, and restart+mem (restart mode saving "
+        "every step to the checkpoint memory tier, durably every --ckpt-every steps)",
+    )
     p.add_argument(
         "--baseline",
         action=argparse.BooleanOptionalAction,
@@ -97,16 +108,25 @@ def main() -> int:
     )
     rows = []
     for launcher in a.launchers.split(","):
+        mode, _, tier = launcher.partition("+")
+        if (
+            mode not in ("restart", "live", "torchrun")
+            or tier not in ("", "mem")
+            or (tier and mode != "restart")
+        ):
+            p.error(f"--launchers: unknown launcher {launcher!r}")
+        extra = ["--durable-every", str(a.ckpt_every)] if tier else []
         spec = JobSpec(
-            root=root / launcher, launcher=launcher, nodes=1, max_nodes=1, nproc=a.nproc,
+            root=root / launcher, launcher=mode, nodes=1, max_nodes=1, nproc=a.nproc,
             steps=a.steps, step_sleep=a.step_sleep, ckpt_every=a.ckpt_every, seed=a.seed,
+            extra_args=extra,
         )  # fmt: skip
         base: dict = {}
         if a.baseline:
             clean = JobSpec(
-                root=root / f"{launcher}-nofault", launcher=launcher, nodes=1, max_nodes=1,
+                root=root / f"{launcher}-nofault", launcher=mode, nodes=1, max_nodes=1,
                 nproc=a.nproc, steps=a.steps, step_sleep=a.step_sleep, ckpt_every=a.ckpt_every,
-                seed=a.seed,
+                seed=a.seed, extra_args=extra,
             )  # fmt: skip
             res0 = run_chaos(clean, [], timeout_s=a.timeout)
             base = res0.stats

@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument(
+        "--durable-every",
+        type=int,
+        default=0,
+        help="restart mode: save every step to the checkpoint memory tier, durably every N "
+        "steps (Checkpointer(durable_every=N)); 0: a durable save every --ckpt-every steps",
+    )
     p.add_argument("--log-dir", required=True, help="step logs go here (steps-<pid>.jsonl)")
     p.add_argument("--final", default=None, help="rank 0 writes the final state_dict here")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
@@ -147,7 +154,12 @@ def run_restart_mode(args: argparse.Namespace, log: StepLog) -> int:
     step = 0
     if args.ckpt_dir:
         storage = EnospcStorage(args.enospc_flag) if args.enospc_flag else None
-        ckpt = ft.Checkpointer(args.ckpt_dir, keep_last=3, storage=storage)
+        ckpt = ft.Checkpointer(
+            args.ckpt_dir,
+            keep_last=3,
+            storage=storage,
+            durable_every=args.durable_every or None,
+        )
         ckpt.register("model", model)
         ckpt.register("optim", opt)
         ckpt.register("sampler", sampler)
@@ -186,12 +198,17 @@ def run_restart_mode(args: argparse.Namespace, log: StepLog) -> int:
             sampler.advance(n)
             step += 1
             ft.report_progress(step)
-            if ckpt is not None and (step % args.ckpt_every == 0 or step == args.steps):
-                ckpt.save(step, blocking=step == args.steps)
-            if guard.should_stop():
+            stopping = guard.should_stop()
+            last = step == args.steps
+            if ckpt is not None and args.durable_every:
+                # Every step to memory; durable every N steps, at the end and on a stop.
+                ckpt.save(step, blocking=last or stopping)
+            elif ckpt is not None and (step % args.ckpt_every == 0 or last):
+                ckpt.save(step, blocking=last)
+            elif ckpt is not None and stopping:
+                ckpt.save(step, blocking=True)
+            if stopping:
                 if ckpt is not None:
-                    if step % args.ckpt_every != 0:
-                        ckpt.save(step, blocking=True)
                     ckpt.close()
                 ft.shutdown()
                 if args.linger_on_preempt and ctx.local_rank == 1:
