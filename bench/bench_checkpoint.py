@@ -202,7 +202,18 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--durable-every", type=int, default=20)
     ap.add_argument("--no-copy-wait", action="store_true", help="memory_copy_wait=False")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads for training (default: torch's, one per core); fewer "
+        "than the cores leaves CPU to the checkpoint's copies, as a GPU job's host does",
+    )
     args = ap.parse_args()
+    if args.threads < 0:
+        ap.error(f"--threads {args.threads}: must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     stores = [x.strip() for x in args.stores.split(",") if x.strip()]
     server = S3Server() if "s3" in stores and args.s3_endpoint is None else None
     endpoint = args.s3_endpoint or (server.endpoint if server else None)

@@ -295,6 +295,24 @@ BAD: dict[str, list[str]] = {
     "chaos schedule --interval 0": ["chaos", "schedule", "--interval", "0"],
     "chaos run --root FILE": ["chaos", "run", "--root", "afile"],
     "chaos run --steps 0": ["chaos", "run", "--root", "chaos-root", "--steps", "0"],
+    "chaos run --durable-every -1": [
+        "chaos",
+        "run",
+        "--root",
+        "chaos-root",
+        "--durable-every",
+        "-1",
+    ],
+    "chaos run live --durable-every": [
+        "chaos",
+        "run",
+        "--root",
+        "chaos-root",
+        "--launcher",
+        "live",
+        "--durable-every",
+        "5",
+    ],  # fmt: skip
 }
 """Command lines that must end in one clear error (what the issue found, and their kin)."""
 

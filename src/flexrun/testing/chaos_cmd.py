@@ -73,6 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--steps", type=int, default=1000)
     r.add_argument("--step-sleep", type=float, default=0.05)
     r.add_argument("--ckpt-every", type=int, default=10)
+    r.add_argument(
+        "--durable-every",
+        type=int,
+        default=0,
+        help="restart mode: save every step to the checkpoint memory tier and durably every "
+        "N steps (Checkpointer(durable_every=N)); 0 (default): durably every --ckpt-every",
+    )
     r.add_argument("--hang-timeout", type=float, default=0.0)
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this long")
     r.set_defaults(func=_cmd_run)
@@ -90,6 +97,13 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     _check_numbers(ns)
     if ns.nodes < 1 or ns.max_nodes < ns.nodes:
         raise ConfigError("--nodes must be >= 1 and <= --max-nodes")
+    if not 0 <= ns.durable_every <= 1_000_000:
+        raise ConfigError(f"--durable-every {ns.durable_every}: must be between 0 and 1000000")
+    if ns.durable_every and ns.launcher != "restart":
+        raise ConfigError(
+            f"--durable-every: the memory tier is flexrun's restart mode's (the agent keeps "
+            f"the copies); not with --launcher {ns.launcher}"
+        )
     root = Path(ns.root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--root {ns.root}: exists and is not a directory")
@@ -104,6 +118,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         ckpt_every=ns.ckpt_every,
         seed=ns.seed,
         hang_timeout_s=ns.hang_timeout,
+        extra_args=["--durable-every", str(ns.durable_every)] if ns.durable_every else [],
     )
     result = run_chaos(spec, _schedule(ns), timeout_s=ns.timeout)
     print(json.dumps(result.to_dict(), indent=1))
