@@ -315,9 +315,28 @@ def first_failure(failed: Sequence[WorkerExit]) -> WorkerExit:
     return min(primary or close, key=lambda e: e.ended_at)
 
 
-def blame_hang(silent: Mapping[int, float], waiting: Mapping[int, bool]) -> int:
-    """The rank a hang is blamed on, given each silent rank's seconds without progress and
-    whether its stacks show it waiting in a collective (those are victims of the one stuck
-    elsewhere): the longest silent among the others, else among all."""
+def blame_hang(
+    silent: Mapping[int, float],
+    waiting: Mapping[int, bool],
+    quiet: Mapping[int, float] | None = None,
+) -> int:
+    """The rank a hang is blamed on, given each rank silent past its limit (seconds without
+    progress) and whether a rank's stacks show it waiting in a collective (those are victims
+    of the one stuck elsewhere): the longest silent among the others. When every rank past
+    its limit waits in a collective, the one stuck elsewhere may simply not have reached its
+    own limit yet (it reported its last step a moment after them): then the longest-quiet
+    rank of ``quiet`` (every watched rank's seconds without progress) whose stacks show it
+    outside any collective, if it has been quiet at least half as long as the shortest of
+    the silent ones; else the longest silent."""
     own = [r for r in silent if not waiting.get(r, False)]
-    return max(own or list(silent), key=lambda r: silent[r])
+    if own:
+        return max(own, key=lambda r: silent[r])
+    least = min(silent.values())
+    stuck = [
+        r
+        for r, q in (quiet or {}).items()
+        if r not in silent and waiting.get(r) is False and q >= least / 2
+    ]
+    if stuck:
+        return max(stuck, key=lambda r: (quiet or {})[r])
+    return max(silent, key=lambda r: silent[r])

@@ -258,7 +258,14 @@ class RestartRunner:
             return
         hooked = [w for w in alive if self.progress.ranks[w.rank].hooked]
         stacks = {w.rank: capture_stacks(w.proc.pid, w.log_dir / "stacks.txt") for w in hooked}
-        blamed = blame_hang(silent, {r: in_collective(s) for r, s in stacks.items()})
+        quiet = {
+            w.rank: q
+            for w in alive
+            if (q := self.progress.ranks[w.rank].silent_s(now)) is not None
+            and not self.progress.ranks[w.rank].ended
+        }
+        blamed = blame_hang(silent, {r: in_collective(s) for r, s in stacks.items()}, quiet)
+        silent_s = silent.get(blamed, quiet.get(blamed, 0.0))
         w = next(x for x in alive if x.rank == blamed)
         rp = self.progress.ranks[blamed]
         hang_dir = self.config.output.run_dir / "hangs"
@@ -274,7 +281,7 @@ class RestartRunner:
             "rank %d made no progress for %.1fs (limit %.1fs, %s): stacks in %s; "
             "treating it as failed",
             blamed,
-            silent[blamed],
+            silent_s,
             rp.limit_s(limits),
             "before its first step" if rp.steps == 0 else f"after step {rp.steps}",
             path,
@@ -283,7 +290,7 @@ class RestartRunner:
             "hang_detected",
             rank=blamed,
             pid=w.proc.pid,
-            silent_s=round(silent[blamed], 2),
+            silent_s=round(silent_s, 2),
             silent_ranks=sorted(silent),
             limit_s=round(rp.limit_s(limits), 2),
             steps=rp.steps,
@@ -296,7 +303,7 @@ class RestartRunner:
             stacks_file=str(path),
             stacks=stacks.get(blamed, "")[-20000:],
         )
-        w.note = f"hang: no progress for {silent[blamed]:.1f}s (stacks: {path})"
+        w.note = f"hang: no progress for {silent_s:.1f}s (stacks: {path})"
         kill_session(w.proc.pid)
         w.proc.wait()
 

@@ -213,6 +213,19 @@ def test_a_hang_with_every_rank_in_a_collective_blames_the_longest_silent() -> N
     assert p.blame_hang({0: 5.0, 1: 9.0}, {0: True, 1: True}) == 1
 
 
+def test_a_hang_blames_the_rank_outside_a_collective_that_has_not_reached_its_limit_yet() -> None:
+    # Found on a loaded machine: rank 1 hung in its step a moment after reporting the step
+    # rank 0 reported last, so only rank 0 (in the all-reduce, waiting for it) was past the
+    # limit when the agent looked; it was blamed and killed as the hung one.
+    silent = {0: 3.0}
+    waiting = {0: True, 1: False}
+    assert p.blame_hang(silent, waiting, {0: 3.0, 1: 2.95}) == 1
+    # a rank outside a collective that has just made progress is not the one stuck
+    assert p.blame_hang(silent, waiting, {0: 3.0, 1: 0.2}) == 0
+    # nor is a rank whose stacks could not be read (unknown, not "outside")
+    assert p.blame_hang(silent, {0: True}, {0: 3.0, 1: 2.95}) == 0
+
+
 def test_settings_follow_the_heartbeat_timing() -> None:
     from flexrun.config import RendezvousSettings
 
