@@ -61,14 +61,21 @@ class CheckpointOptions:
     persist_max_bytes_s: float | None = None
     """Also cap the background persist's average write rate (bytes/s; None: no cap)."""
 
-    persist_when_idle: bool = True
-    """Run the background persist under ``SCHED_IDLE`` (Linux): it takes only CPU time
-    that training leaves unused. Once the training thread waits for it (the next
-    ``save()``, ``wait()``, ``load()``, ``close()``), it goes back to normal scheduling, so
-    on a node whose cores are all busy that wait lasts about the persist's own work. Linux
-    lets a process leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or ``ulimit -e 20``;
-    without either (an unprivileged user's default, most containers) the persist stays
-    at normal priority, paced by ``persist_cpu_share`` alone (logged once)."""
+    persist_when_idle: bool = False
+    """Run the background persist under ``SCHED_IDLE`` (Linux), so that it takes only CPU
+    time nothing else on the node wants. Off by default: the persist thread runs Python
+    code and so holds the interpreter's lock (GIL) between its C calls, and a thread at
+    idle priority that is descheduled while holding it keeps the training thread (and the
+    live heartbeat, and the progress hook) from running until the node has a core to
+    spare. With other processes keeping every core busy (other ranks, data-loader workers)
+    that froze the rest of the process for 13 s (bench/idle_priority_gil.py,
+    bench/results/idle_priority_gil.txt): a live worker was killed as hung for it. Turn it on
+    only where nothing outside the process competes for its cores. Once the training
+    thread waits for the persist (the next ``save()``, ``wait()``, ``load()``,
+    ``close()``), it goes back to normal scheduling. Linux lets a process leave
+    ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or ``ulimit -e 20``; without either the
+    persist stays at normal priority whatever this says (logged once). Either way
+    ``persist_cpu_share`` paces it."""
 
     save_rng: bool = True
     """Save and restore per-rank RNG states of torch/CUDA/numpy/Python."""

@@ -3,7 +3,8 @@
 Owns writing state with ``torch.save`` (without the zip container's CRC32, which the
 manifest's sha256 makes redundant), through the persist's pacing and rate cap, and
 reading it back with ``weights_only=True`` only, so a checkpoint can never run code; and
-moving a persist thread to idle priority. It does not know where files go.
+moving a persist thread to idle priority when asked (``persist_when_idle``). It does not
+know where files go.
 """
 
 from __future__ import annotations

@@ -234,7 +234,12 @@ def test_a_save_waiting_for_an_idle_priority_persist_puts_it_back_to_normal(
 
     if not _can_leave_idle():
         pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20)")
-    c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), fault_hook=hook)
+    c = Checkpointer(
+        str(tmp_path / "ck"),
+        ctx=single_process_context(),
+        fault_hook=hook,
+        persist_when_idle=True,
+    )
     c.register("big", _Tensor())
     c.save(1)
     assert reached.wait(20)
@@ -249,6 +254,28 @@ def test_a_save_waiting_for_an_idle_priority_persist_puts_it_back_to_normal(
     assert not waiter.is_alive()
     assert seen == [("before", os.SCHED_IDLE), ("after", os.SCHED_OTHER)]
     assert c.steps() == [1]  # and the persist committed
+
+
+@linux_only
+@pytest.mark.timeout(30)
+def test_by_default_the_persist_thread_keeps_normal_priority(tmp_path: Path) -> None:
+    # At SCHED_IDLE the persist thread, descheduled while it holds the GIL, froze the
+    # training thread for seconds beside busy processes (bench/idle_priority_gil.py).
+    seen: list[int] = []
+    reached = threading.Event()
+
+    def hook(stage: str) -> None:
+        if stage == "dir_created":
+            seen.append(os.sched_getscheduler(0))
+            reached.set()
+
+    c = Checkpointer(str(tmp_path / "ck"), ctx=single_process_context(), fault_hook=hook)
+    c.register("big", _Tensor())
+    c.save(1)
+    assert reached.wait(20)  # (a wait() before the persist began would raise it anyway)
+    c.wait()
+    assert seen == [os.SCHED_OTHER]
+    assert c.steps() == [1]
 
 
 @linux_only
