@@ -3,6 +3,8 @@ rest ten times less often (:func:`flexrun.rendezvous.follow.claim_check_interval
 
 from __future__ import annotations
 
+from rdzv_store_doubles import forward_value_watches
+
 from flexrun.config import RendezvousSettings
 from flexrun.events import EventLog
 from flexrun.rendezvous import NodeRecord, RendezvousHandler, Run
@@ -36,6 +38,8 @@ class ClaimReads:
         self.header_reads = 0
         self.checks = 0
         self.copies = copies
+        if copies:
+            forward_value_watches(self, inner)
 
     def __getattr__(self, name: str) -> object:
         if name in COPIES and not self.copies:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import pytest
+from rdzv_store_doubles import forward_value_watches
 
 from flexrun.cause import FailureCause
 from flexrun.config import RendezvousSettings
@@ -80,6 +81,7 @@ class Reads:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        forward_value_watches(self, inner)
         self.keys: list[str] = []
 
     def __getattr__(self, name: str) -> object:
@@ -212,6 +214,7 @@ class CrashAfterList:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        forward_value_watches(self, inner)
         self.armed = True
 
     def __getattr__(self, name: str) -> object:
@@ -433,6 +436,7 @@ class AllRequests:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        forward_value_watches(self, inner)
         self.count = 0
         self._lock = threading.Lock()
 
@@ -695,6 +699,7 @@ class Waits:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        forward_value_watches(self, inner)
         self.waits = 0
 
     def __getattr__(self, name: str) -> object:
@@ -770,6 +775,7 @@ class Requests:
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        forward_value_watches(self, inner)
         self.count = 0
 
     def __getattr__(self, name: str) -> object:
@@ -944,6 +950,7 @@ class GatedWatch:
 
     def __init__(self, inner: MemoryStore) -> None:
         self.inner = inner
+        forward_value_watches(self, inner)
         self.open = threading.Event()
         self.open.set()
         self.header_reads = 0
