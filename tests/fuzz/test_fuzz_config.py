@@ -9,6 +9,7 @@ exception. Nothing is launched (the parse only) and no file is written.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -119,10 +120,12 @@ def test_rdzv_conf_is_a_config_error_or_finite_settings(
     except ConfigError as exc:
         assert str(exc) and "\n" not in str(exc)
         return
-    for name in dir(parsed):
-        v = getattr(parsed, name, None)
+    # (Its fields, not dir(): on Python 3.10 the __weakref__ that dir() lists on a
+    # dataclass(slots=True) raises TypeError when read.)
+    for field in dataclasses.fields(parsed):
+        v = getattr(parsed, field.name)
         if isinstance(v, float):
-            assert math.isfinite(v), (name, v)
+            assert math.isfinite(v), (field.name, v)
 
 
 VALUE_FLAGS = [
