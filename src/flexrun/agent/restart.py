@@ -151,6 +151,17 @@ class RestartRunner:
             paths[int(env["RANK"])] = wdir / "progress"
         self.progress.reset(paths)
         self.outputs.begin(log_dir, lambda: envs, [int(env["RANK"]) for env in envs])
+        # Said before the workers start: a line of the agent's must not land in the middle
+        # of what a worker is drawing on the terminal (a progress bar), as torchrun's don't.
+        base = rnd.rank_base(self.node_id)
+        log.info(
+            "round %d: %d node(s), world size %d, ranks %d-%d here",
+            rnd.number,
+            len(rnd.members),
+            rnd.world_size(),
+            base,
+            base + c.worker.nproc_per_node - 1,
+        )
         try:
             self.group = WorkerGroup.start(
                 self._command,
@@ -177,15 +188,6 @@ class RestartRunner:
         )
         for w in self.group.workers:
             self.events.emit("worker_started", rank=w.rank, local_rank=w.local_rank, pid=w.proc.pid)
-        base = rnd.rank_base(self.node_id)
-        log.info(
-            "round %d: %d node(s), world size %d, ranks %d-%d here",
-            rnd.number,
-            len(rnd.members),
-            rnd.world_size(),
-            base,
-            base + c.worker.nproc_per_node - 1,
-        )
         return RoundStart.FRESH
 
     def _warm(
