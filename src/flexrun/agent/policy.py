@@ -331,12 +331,13 @@ def blame_hang(
     own = [r for r in silent if not waiting.get(r, False)]
     if own:
         return max(own, key=lambda r: silent[r])
+    quiet = quiet or {}
     least = min(silent.values())
     stuck = [
         r
-        for r, q in (quiet or {}).items()
+        for r, q in quiet.items()
         if r not in silent and waiting.get(r) is False and q >= least / 2
     ]
     if stuck:
-        return max(stuck, key=lambda r: (quiet or {})[r])
+        return max(stuck, key=lambda r: quiet[r])
     return max(silent, key=lambda r: silent[r])

@@ -110,11 +110,17 @@ class ProgressBook:
         seen = [rp.first_step_mono for rp in self.ranks.values() if rp.first_step_mono is not None]
         return min(seen) if seen else None
 
-    def silent(self, now: float, limits: HangLimits, alive: set[int]) -> dict[int, float]:
-        """Ranks (alive, hooked) silent past their limit -> seconds silent."""
+    def quiet(self, now: float, alive: set[int]) -> dict[int, float]:
+        """Ranks (alive, hooked, not ended) -> seconds since their last sign of life."""
         out = {}
         for r, rp in self.ranks.items():
             s = rp.silent_s(now)
-            if r in alive and not rp.ended and s is not None and s > rp.limit_s(limits):
+            if r in alive and not rp.ended and s is not None:
                 out[r] = s
         return out
+
+    def silent(self, now: float, limits: HangLimits, alive: set[int]) -> dict[int, float]:
+        """Ranks (alive, hooked) silent past their limit -> seconds silent."""
+        return {
+            r: s for r, s in self.quiet(now, alive).items() if s > self.ranks[r].limit_s(limits)
+        }

@@ -255,17 +255,12 @@ class RestartRunner:
         answer SIGUSR2; it kills the others), record them, and fail the rank to blame."""
         now = self.clock.wall()
         alive = [w for w in group.workers if w.result is None and w.proc.poll() is None]
+        quiet = self.progress.quiet(now, {w.rank for w in alive})
         silent = self.progress.silent(now, limits, {w.rank for w in alive})
         if not silent:
             return
         hooked = [w for w in alive if self.progress.ranks[w.rank].hooked]
         stacks = {w.rank: capture_stacks(w.proc.pid, w.log_dir / "stacks.txt") for w in hooked}
-        quiet = {
-            w.rank: q
-            for w in alive
-            if (q := self.progress.ranks[w.rank].silent_s(now)) is not None
-            and not self.progress.ranks[w.rank].ended
-        }
         blamed = blame_hang(silent, {r: in_collective(s) for r, s in stacks.items()}, quiet)
         silent_s = silent.get(blamed, quiet.get(blamed, 0.0))
         w = next(x for x in alive if x.rank == blamed)
