@@ -125,6 +125,7 @@ def build_agent(
             store_addr=addr,
             events=events,
             pool=live_spares,
+            wake=rdzv.session.changes.interrupt,
         )
     else:
         timeout = config.rendezvous.join_timeout_s
@@ -157,6 +158,7 @@ def build_agent(
             pool=pool,
             on_close=on_close,
             agent_store=agent_store,
+            wake=rdzv.session.changes.interrupt,
         )
     return Agent(config, rdzv, runner, events=events, masters=masters)
 

@@ -32,6 +32,7 @@ from flexrun.config import SECRET_ENV, SECRET_ENV_FILE, RunConfig
 from flexrun.events import EventLog
 from flexrun.live_protocol import EpochRecord, heartbeat_age, holds_state, worker_env
 from flexrun.proc import (
+    ExitClock,
     Tee,
     Worker,
     WorkerResult,
@@ -67,6 +68,13 @@ class LiveWorker:
     """Part of this node's published member list."""
     finished: bool = False
     tees: list[Tee] = field(default_factory=list)
+
+
+def _in_loop(slots: dict[int, LiveWorker], now_wall: float) -> bool:
+    """Every worker in ``slots`` has reached the training loop (or finished)."""
+    return all(
+        lw.finished or heartbeat_age(lw.heartbeat, now_wall) is not None for lw in slots.values()
+    )
 
 
 def _cold(command: list[str], env: dict[str, str], wdir: Path, slot: int, con: Console) -> Worker:
@@ -120,9 +128,11 @@ class LiveRunner(LoopProgress):
         events: EventLog,
         pool: WarmPool | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.node = node_id
+        self._exits = ExitClock([], wake)  # (wakes the agent's loop when a worker exits)
         self.store_addr = store_addr
         self.events = events
         self.clock = clock
@@ -243,6 +253,7 @@ class LiveRunner(LoopProgress):
             w = _warm(spare, self.config, env, wdir, slot, self.outputs.console(slot, slot))
             included = include_now or not joining
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
+        self._exits.add(w.proc.pid)
         lw = LiveWorker(wid, w, hb, included=included)
         lw.tees = _tees(w, wid, self.config.output.console_streams, self._tee_done)
         self.slots[slot] = lw
@@ -360,15 +371,8 @@ class LiveRunner(LoopProgress):
     def tend(self) -> None:
         """Refill the warm pool once every worker of this node has reached the loop (a
         spare importing torch earlier would slow their start)."""
-        if self.pool is not None and self.slots and self._settled():
+        if self.pool is not None and self.slots and _in_loop(self.slots, self.clock.wall()):
             self.pool.fill()
-
-    def _settled(self) -> bool:
-        now = self.clock.wall()
-        return all(
-            lw.finished or heartbeat_age(lw.heartbeat, now) is not None
-            for lw in self.slots.values()
-        )
 
     # -- stopping ----------------------------------------------------------------------------
     def stop(
@@ -405,6 +409,7 @@ class LiveRunner(LoopProgress):
 
     def close(self) -> None:
         self.stop(0)
+        self._exits.close()
         if self._secret_file is not None:
             remove_secret_file(self._secret_file)
 

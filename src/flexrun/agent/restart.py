@@ -61,8 +61,10 @@ class RestartRunner:
         clock: Clock = SYSTEM_CLOCK,
         on_close: Callable[[], None] | None = None,
         agent_store: bool | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self._wake = wake  # (ends the agent loop's wait when a worker exits)
         self._on_close = on_close  # (drops the workers' store this agent hosts)
         self.agent_store = config.static is not None if agent_store is None else agent_store
         """The workers are clients of a store an agent hosts (None: a static job's are)."""
@@ -170,6 +172,7 @@ class RestartRunner:
                 console_streams=c.output.console_streams,
                 warm=self._warm if self.pool is not None else None,
                 console=self.outputs.console,
+                on_exit=self._wake,
             )
         except OSError:
             self.outputs.end()

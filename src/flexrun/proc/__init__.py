@@ -6,7 +6,7 @@ and their console tee, stack capture, and failure diagnosis (:mod:`.diagnose`, p
 knows nothing of rounds, stores or recovery modes.
 """
 
-from flexrun.proc.group import WorkerGroup, read_cause
+from flexrun.proc.group import ExitClock, WorkerGroup, read_cause
 from flexrun.proc.logs import Tee, log_tail, start_tees
 from flexrun.proc.spawn import (
     Process,
@@ -20,6 +20,7 @@ from flexrun.proc.spawn import (
 )
 
 __all__ = [
+    "ExitClock",
     "Process",
     "Tee",
     "Worker",

@@ -46,49 +46,94 @@ def read_cause(w: Worker, result: WorkerResult) -> FailureCause:
 
 class ExitClock(threading.Thread):
     """Records when each process exits (via pidfds), so the first failure is known exactly;
-    polling every monitor interval would see two deaths a few ms apart as simultaneous."""
+    polling every monitor interval would see two deaths a few ms apart as simultaneous.
+    ``on_exit`` runs (in this thread) after each recorded exit: the agent's loop, waiting a
+    monitor interval between passes, is woken by it and sees a death at once, not up to an
+    interval later. Processes can be added while it runs (live mode's replacements)."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], on_exit: Callable[[], None] | None = None) -> None:
         super().__init__(name="flexrun-exit-clock", daemon=True)
         self.times: dict[int, float] = {}
+        self._on_exit = on_exit
         self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._added: list[int] = []  # pidfds opened by add(), not yet polled
+        self._closed = False
         for pid in pids:
-            try:
-                self._fds[os.pidfd_open(pid)] = pid
-            except (OSError, AttributeError):
-                continue  # no pidfd support: fall back to the time poll() noticed
+            self._open(pid)
+        self._added.clear()
         self._wake_r, self._wake_w = os.pipe()
+
+    def _open(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return  # gone already, or no pidfd support: the time poll() noticed stands
+        self._fds[fd] = pid
+        self._added.append(fd)
+
+    def add(self, pid: int) -> None:
+        """Also watch ``pid`` (started after this clock; the first ``add`` starts it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._open(pid)
+            os.write(self._wake_w, b"a")
+        if self.ident is None:
+            self.start()
 
     def run(self) -> None:
         poller = select.poll()
         for fd in self._fds:
             poller.register(fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        pending = set(self._fds)
-        while pending:
+        while True:
             for fd, _ in poller.poll():
                 if fd == self._wake_r:
-                    return
-                self.times.setdefault(self._fds[fd], time.time())
+                    if b"x" in os.read(self._wake_r, 64):
+                        return
+                    with self._lock:
+                        added, self._added = self._added, []
+                    for new in added:
+                        poller.register(new, select.POLLIN)
+                    continue
+                ended = time.time()
                 poller.unregister(fd)
-                pending.discard(fd)
+                with self._lock:
+                    pid = self._fds.pop(fd)
+                    os.close(fd)
+                self.times.setdefault(pid, ended)
+                if self._on_exit is not None:
+                    self._on_exit()
 
     def close(self) -> None:
-        os.write(self._wake_w, b"x")
-        self.join(timeout=2)
-        for fd in (*self._fds, self._wake_r, self._wake_w):
-            os.close(fd)
-        self._fds = {}
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.write(self._wake_w, b"x")
+        if self.ident is not None:
+            self.join(timeout=2)
+        with self._lock:
+            for fd in (*self._fds, self._wake_r, self._wake_w):
+                os.close(fd)
+            self._fds = {}
 
 
 class WorkerGroup:
     """The local workers of one round."""
 
-    def __init__(self, workers: list[Worker], tees: list[Tee], tee_done: threading.Event) -> None:
+    def __init__(
+        self,
+        workers: list[Worker],
+        tees: list[Tee],
+        tee_done: threading.Event,
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
         self.workers = workers
         self._tees = tees
         self._tee_done = tee_done
-        self._exit_clock = ExitClock([w.proc.pid for w in workers])
+        self._exit_clock = ExitClock([w.proc.pid for w in workers], on_exit)
         self._exit_clock.start()
 
     @classmethod
@@ -101,11 +146,13 @@ class WorkerGroup:
         console_streams: frozenset[str] = frozenset({"stdout", "stderr"}),
         warm: WarmSource | None = None,
         console: Callable[[int, int], Console] | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> WorkerGroup:
         """Start one process per environment in ``envs`` (local rank = index), logging to
         ``log_dir/rank_<RANK>/``; ``console(local_rank, rank)`` says how each worker's
         streams reach the console (default: ``console_streams``, unmodified, a terminal
-        staying a terminal).
+        staying a terminal); ``on_exit`` runs as soon as any of them exits (see
+        :class:`ExitClock`).
 
         Raises:
             OSError: a process or its log files could not be created (those already
@@ -143,7 +190,7 @@ class WorkerGroup:
         except OSError:
             cls(workers, tees, done).stop(grace_s=0)
             raise
-        return cls(workers, tees, done)
+        return cls(workers, tees, done, on_exit)
 
     @property
     def pids(self) -> list[int]:

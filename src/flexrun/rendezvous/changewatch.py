@@ -51,6 +51,7 @@ class ChangeWatch:
         self._copy_wanted = False
         self._generation = 0
         self._changed = False
+        self._interrupted = False
         self._thread: threading.Thread | None = None
         self._long_wait_s = LONG_WAIT_S * (1 + JITTER * random.random())
         self._prime: Callable[[str], tuple[dict[str, Entry], int]] | None = None
@@ -87,15 +88,26 @@ class ChangeWatch:
             return values.get(key), rev
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until a change since the last :meth:`arm`, or ``timeout_s``."""
+        """Block until a change since the last :meth:`arm`, an :meth:`interrupt`, or
+        ``timeout_s``; whether there was a change."""
         with self._cond:
             if self._thread is None and self._since >= 0:
                 self._thread = threading.Thread(
                     target=self._loop, name="flexrun-rdzv-watch", daemon=True
                 )
                 self._thread.start()
-            self._cond.wait_for(lambda: self._changed or self._stop.is_set(), timeout_s)
+            self._cond.wait_for(
+                lambda: self._changed or self._interrupted or self._stop.is_set(), timeout_s
+            )
+            self._interrupted = False
             return self._changed
+
+    def interrupt(self) -> None:
+        """End the current :meth:`wait` (or the next one, if none is waiting) now, as a
+        change would, without reporting a change. Any thread."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

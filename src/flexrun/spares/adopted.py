@@ -21,6 +21,10 @@ from flexrun.spares.protocol import RECORD_WAIT_S, exit_record, read_returncode
 
 log = logging.getLogger("flexrun.spares")
 
+RECORD_SETTLE_S = 0.05
+"""How long :meth:`AdoptedProcess.poll` looks for the exit record of a process it has just
+seen gone, before leaving it to the next poll."""
+
 
 def pidfd(pid: int) -> int | None:
     """A pidfd of ``pid``; None when it is gone already."""
@@ -65,6 +69,13 @@ class AdoptedProcess:
         if not process_gone(self._fd):
             return None
         rc = self._read_record()
+        if rc is None and self._gone_at is None:
+            # Its parent records the status as it reaps, a moment after the pidfd said
+            # gone: looking again for a few ms spares the caller a monitor interval.
+            settle = self._clock.monotonic() + RECORD_SETTLE_S
+            while rc is None and self._clock.monotonic() < settle:
+                self._clock.sleep(0.002)
+                rc = self._read_record()
         if rc is None:
             now = self._clock.monotonic()
             self._gone_at = self._gone_at if self._gone_at is not None else now

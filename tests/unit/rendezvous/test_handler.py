@@ -770,6 +770,36 @@ def test_a_followers_short_waits_share_one_store_watch_and_a_change_still_wakes_
         h.leave()
 
 
+@pytest.mark.timeout(30)
+def test_a_wake_ends_a_wait_at_once_without_reporting_a_change() -> None:
+    from flexrun._clock import SYSTEM_CLOCK
+
+    store = MemoryStore()
+    h = RendezvousHandler(
+        store,
+        run_id="job",
+        me=NodeRecord("a", "h", 1),
+        settings=RendezvousSettings(min_nodes=1, max_nodes=1, last_call_s=0),
+        events=EventLog(None, run_id="job", node="a"),
+        clock=SYSTEM_CLOCK,
+    )
+    h._beat()
+    store.put(h.keys.node("a"), h.me.encode())
+    assert isinstance(_settle(h, None), Run)
+    h.wait(0.2)  # (the watch starts; where the store carries values, its first read is a change)
+    h.step(1)
+    threading.Timer(0.2, h.session.changes.interrupt).start()  # (as a worker's death does, from another thread)
+    t0 = time.monotonic()
+    assert h.wait(20) is False
+    assert time.monotonic() - t0 < 10  # (woken, not timed out)
+    h.session.changes.interrupt()  # a wake with nobody waiting ends the next wait, once
+    t0 = time.monotonic()
+    assert h.wait(20) is False and time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    assert h.wait(0.3) is False and time.monotonic() - t0 >= 0.25  # (and only that one)
+    h.leave()
+
+
 class Requests:
     """A store that counts every request made through it."""
 
