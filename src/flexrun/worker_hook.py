@@ -17,8 +17,10 @@ that calls :func:`install`; a warm spare calls it when it becomes a worker. Inst
 Torch is never imported here: the hooks are attached when the script itself imports
 ``torch.optim.optimizer`` / ``torch.distributed.distributed_c10d`` (an import finder).
 The file is rewritten in place (one ``pwrite`` of a fixed-size line), at most every
-``WRITE_INTERVAL_S`` except for the first step, so its mtime is the last sign of life and
-its content ``"<steps> <beats>"``. Child processes of the worker (data loaders) do not
+``WRITE_INTERVAL_S`` except for the first step and a checkpoint, so its mtime is the last
+sign of life and its content ``"<steps> <beats>"``, then ``s<steps>`` once a checkpoint can
+be resumed from (the step count its state was taken at: :func:`saved`, called by
+``flexrun.train``), then ``end`` once training is over. Child processes of the worker (data loaders) do not
 report. Standard library only; never raises into the script.
 """
 
@@ -73,6 +75,7 @@ class _Progress:
         self.last_write = 0.0
         self.write_errors = 0
         self.ended = False
+        self.saved = -1
         self.stack_fh: IO[str] | None = None
 
 
@@ -153,6 +156,21 @@ def step(n: int = 1) -> None:
     _write(force=first)
 
 
+def counted() -> int:
+    """The steps counted so far (0 without the hook)."""
+    return _state.steps
+
+
+def saved(steps: int) -> None:
+    """A checkpoint of the state taken after ``steps`` counted steps (:func:`counted` then)
+    can now be resumed from: the work up to it survives a failure (the agent's ETTR). Any
+    thread (a background persist)."""
+    if _state.fd is None or steps <= _state.saved:
+        return
+    _state.saved = steps
+    _write(force=True)
+
+
 def beat() -> None:
     """Count a sign of life that is not a step (a collective returned)."""
     if _state.fd is None:
@@ -174,7 +192,8 @@ def _write(*, force: bool) -> None:
     if not force and now - _state.last_write < WRITE_INTERVAL_S:
         return
     _state.last_write = now
-    tail = " end" if _state.ended else ""
+    tail = f" s{_state.saved}" if _state.saved >= 0 else ""
+    tail += " end" if _state.ended else ""
     line = f"{_state.steps} {_state.beats}{tail}".ljust(_LINE - 1) + "\n"
     assert _state.fd is not None
     try:
@@ -193,7 +212,14 @@ def _write(*, force: bool) -> None:
 def read(path: str | os.PathLike[str]) -> tuple[int, int, float] | None:
     """(steps, beats, mtime) of a progress file, or None if it does not exist (yet);
     steps -1: unknown (the hook could never write its line: a full disk); beats -1: the
-    worker ended its training (teardown follows)."""
+    worker ended its training (teardown follows). See :func:`read_saved` for the rest."""
+    got = read_saved(path)
+    return None if got is None else got[:3]
+
+
+def read_saved(path: str | os.PathLike[str]) -> tuple[int, int, float, int] | None:
+    """:func:`read`'s (steps, beats, mtime) and the step count of the newest checkpoint
+    that can be resumed from (-1: none said)."""
     try:
         with open(path, "rb") as fh:
             st = os.fstat(fh.fileno())
@@ -202,15 +228,19 @@ def read(path: str | os.PathLike[str]) -> tuple[int, int, float] | None:
         return None
     parts = raw.split()
     if not parts:
-        return -1, 0, st.st_mtime
+        return -1, 0, st.st_mtime, -1
+    saved = -1
     try:
         steps = int(parts[0])
         beats = int(parts[1]) if len(parts) > 1 else 0
-        if len(parts) > 2 and parts[2] == b"end":
-            beats = -1
+        for part in parts[2:]:
+            if part == b"end":
+                beats = -1
+            elif part.startswith(b"s"):
+                saved = int(part[1:])
     except ValueError:
         steps, beats = 1, 0  # an older report_progress format (the step number)
-    return steps, beats, st.st_mtime
+    return steps, beats, st.st_mtime, saved
 
 
 # -- attaching to torch -------------------------------------------------------------------------

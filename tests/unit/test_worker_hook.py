@@ -50,3 +50,37 @@ def test_a_plain_script_is_hooked_and_sees_torchruns_path(tmp_path: Path) -> Non
     assert out["path"][0] == str(tmp_path)
     got = worker_hook.read(tmp_path / "progress")
     assert got is not None and got[0] >= 1  # the first step is always written
+
+
+SAVER = """
+import sys
+from flexrun import worker_hook as h
+assert h.install({"FLEXRUN_PROGRESS_FILE": sys.argv[1], "FLEXRUN_STACK_FILE": sys.argv[2]})
+h.step(); h.step(); h.step()
+h.saved(h.counted())   # a checkpoint of the state after 3 steps can be resumed from
+h.step()
+h.saved(2)             # an older one said late (a slow persist) changes nothing
+h.end()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_resumable_checkpoint_is_said_with_its_step_count_and_older_lines_still_read(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "progress"
+    r = subprocess.run(
+        [sys.executable, "-c", SAVER, str(path), str(tmp_path / "stacks")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert r.returncode == 0, r.stderr
+    assert path.read_text().split() == ["4", "0", "s3", "end"]
+    got = worker_hook.read_saved(path)
+    assert got is not None and (got[0], got[1], got[3]) == (4, -1, 3)
+    assert worker_hook.read(path) == got[:3]
+    for line, want in (("7 2\n", (7, 2, -1)), ("7 2 end\n", (7, -1, -1)), ("", (-1, 0, -1))):
+        path.write_text(line)  # (written by a worker of an older flexrun, or not yet)
+        got = worker_hook.read_saved(path)
+        assert got is not None and (got[0], got[1], got[3]) == want, line

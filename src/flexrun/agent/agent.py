@@ -297,8 +297,9 @@ class Agent:
         on_first_exit: Callable[[], None] | None = None,
         sig: int = signal.SIGTERM,
     ) -> None:
+        kept = self.runner.kept_until()
         self.runner.stop(grace_s, on_first_exit=on_first_exit, sig=sig)
-        self.uptime.stop(productive=productive)
+        self.uptime.stop(productive=productive, kept_until=kept)
 
     # -- store outages ----------------------------------------------------------------------
     def _store_host_lost(self) -> FailureCause | None:

@@ -16,11 +16,13 @@ caller's: ``now`` is wall time for file ages, ``mono`` the agent's monotonic clo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun import worker_hook
 from flexrun.recovery import HangLimits
+
+MAX_SIGHTINGS = 4096  # step counts remembered per rank between two checkpoints
 
 
 @dataclass(slots=True)
@@ -42,7 +44,12 @@ class RankProgress:
     counted: bool = True
     """Its steps can be read (False: the hook never could write them, a full disk; its
     mtime still says it is alive)."""
+    saved: int = -1
+    """The step count of the newest checkpoint it can be resumed from (-1: none said)."""
+    seen: list[tuple[int, float]] = field(default_factory=list)
+    """(steps, when the agent first saw that many), since the newest checkpoint."""
     _step_seen_at: float | None = None
+    _forgot: int = -1  # (sightings up to this step count were dropped: MAX_SIGHTINGS)
 
     @property
     def hooked(self) -> bool:
@@ -50,10 +57,10 @@ class RankProgress:
         return self.last_seen is not None
 
     def update(self, mono: float) -> None:
-        got = worker_hook.read(self.path)
+        got = worker_hook.read_saved(self.path)
         if got is None:
             return
-        steps, beats, mtime = got
+        steps, beats, mtime, saved = got
         self.counted = steps >= 0
         self.ended = beats < 0
         if self.last_seen is not None and self.steps > 0 and mtime > self.last_seen:
@@ -69,8 +76,24 @@ class RankProgress:
                 self.first_step_mono = mono
             self._step_seen_at = mtime
             self.steps = steps
+            self.seen.append((steps, mono))
+        if saved > self.saved:
+            self.saved = saved
+            # (keep the first sighting at or past the checkpoint: the time it was taken)
+            i = next((k for k, (n, _) in enumerate(self.seen) if n >= saved), len(self.seen))
+            del self.seen[:i]
+        if len(self.seen) > MAX_SIGHTINGS:
+            self._forgot = self.seen[-MAX_SIGHTINGS - 1][0]
+            del self.seen[:-MAX_SIGHTINGS]
         self.beats = beats
         self.last_seen = max(mtime, self.last_seen or mtime)
+
+    def saved_mono(self) -> float | None:
+        """When (the agent's monotonic clock) this worker's state was what its newest
+        resumable checkpoint holds; None: no checkpoint said, or its time is not known."""
+        if self.saved <= self._forgot or not self.seen or self.seen[0][0] < self.saved:
+            return None
+        return self.seen[0][1]
 
     def limit_s(self, limits: HangLimits) -> float:
         """Seconds of silence after which this rank is hung."""
@@ -109,6 +132,12 @@ class ProgressBook:
     def first_step_mono(self) -> float | None:
         seen = [rp.first_step_mono for rp in self.ranks.values() if rp.first_step_mono is not None]
         return min(seen) if seen else None
+
+    def kept_until(self) -> float | None:
+        """The time up to which the round's work survives its failure: where the newest
+        checkpoint every saving rank has said it can resume from was taken (None: none)."""
+        times = [rp.saved_mono() for rp in self.ranks.values() if rp.saved >= 0]
+        return None if not times or None in times else min(t for t in times if t is not None)
 
     def quiet(self, now: float, alive: set[int]) -> dict[int, float]:
         """Ranks (alive, hooked, not ended) -> seconds since their last sign of life."""

@@ -248,6 +248,9 @@ class RestartRunner:
         worker's progress hook is installed, nothing can tell."""
         return self.progress.made_progress()
 
+    def kept_until(self) -> float | None:
+        return self.progress.kept_until()
+
     def first_step_mono(self) -> float | None:
         """When a step of the current round was first seen (monotonic), if one was."""
         return self.progress.first_step_mono()

@@ -53,6 +53,9 @@ class LoopProgress:
     def first_step_mono(self) -> float | None:
         return self.first_loop
 
+    def kept_until(self) -> float | None:
+        return None  # (a live failure keeps the survivors' work; nothing is stopped)
+
 
 class Runner(Protocol):
     """This node's workers for the whole job."""
@@ -103,6 +106,12 @@ class Runner(Protocol):
     def first_step_mono(self) -> float | None:
         """When the agent first saw a training step of the running workers (monotonic),
         or None: productive time counts only from it."""
+        ...
+
+    def kept_until(self) -> float | None:
+        """Until when (monotonic) the running workers' work survives their being stopped
+        by a failure: when the state of the newest checkpoint they said can be resumed
+        from was taken (``flexrun.train``); None: nothing is known to survive."""
         ...
 
     def tend(self) -> None:

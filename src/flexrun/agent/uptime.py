@@ -1,8 +1,9 @@
 """The productive time of this node's workers, for the job's ETTR.
 
 Owns the bookkeeping of productive segments (from a segment's first observed training step
-to its end, counted only when it ended without a failure); it does not observe steps (the
-runner does) or decide what a failure is (the policy does).
+to its end; a segment ended by a failure only up to its newest resumable checkpoint); it
+does not observe steps or checkpoints (the runner does) or decide what a failure is (the
+policy does).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from flexrun._clock import Clock
 
 class Uptime:
     """The productive time of this node's workers: the sum of the segments that ended
-    without a failure (a failed segment's work is lost to the restart), each counted from
-    its first observed training step (time before it, and a segment in which no step was
-    observed at all, is never productive: a job hung in ``init_process_group`` has
-    ETTR 0)."""
+    without a failure, and of the failed ones up to the newest checkpoint the restart
+    resumes from (what came after it is lost to the restart and done again: without a
+    checkpoint the workers said they saved, all of it), each counted from its first
+    observed training step (time before it, and a segment in which no step was observed at
+    all, is never productive: a job hung in ``init_process_group`` has ETTR 0)."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -33,8 +35,12 @@ class Uptime:
         if self._since is not None and self._first_step is None and first_step is not None:
             self._first_step = max(first_step, self._since)
 
-    def stop(self, *, productive: bool) -> None:
-        if self._since is not None and productive and self._first_step is not None:
-            self.total_s += max(self.clock.monotonic() - self._first_step, 0.0)
+    def stop(self, *, productive: bool, kept_until: float | None = None) -> None:
+        """Close the open segment: all of it productive, or (a failure) up to
+        ``kept_until`` (monotonic; None: none of it)."""
+        if self._since is not None and self._first_step is not None:
+            end = self.clock.monotonic() if productive else kept_until
+            if end is not None:
+                self.total_s += max(min(end, self.clock.monotonic()) - self._first_step, 0.0)
         self._since = None
         self._first_step = None

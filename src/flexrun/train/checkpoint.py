@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError, StorageFailure
 from flexrun.events import EventLog
@@ -279,11 +280,12 @@ class Checkpointer(RankZero):
                 payload[RNG_FILE] = rngs
             self._p._copy_wait_s = 0.0
             self._p._save_stall_s = self._clock.monotonic() - t0
+            counted = worker_hook.counted()  # (said once the checkpoint can be resumed from)
             if background:
-                self._p.start(step, payload, pending)
+                self._p.start(step, payload, pending, counted)
             else:
                 try:
-                    self._p.persist(step, payload, background=False)
+                    self._p.persist(step, payload, background=False, counted=counted)
                 except CheckpointError as exc:
                     error = exc
             if mem is not None:  # the same host copy, once the persist has made it

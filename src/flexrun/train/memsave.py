@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import torch
 
+from flexrun import worker_hook
 from flexrun._clock import Clock
 from flexrun.train.serialize import save_without_zip_crc
 from flexrun.train.state import HostSnapshot, run_copies
@@ -158,15 +159,19 @@ class MemSaver:
         payload: dict[str, Any],
         pending: list[tuple[torch.Tensor, torch.Tensor]],
         ready: threading.Event | None,
+        counted: int = -1,
     ) -> None:
         """Write ``payload`` as ``step`` in the background: first the ``pending`` copies
         (``optimizer.step()`` waits for them), then, once ``ready`` is set (a durable
-        persist's own deferred copies into the same payload), the file."""
+        persist's own deferred copies into the same payload), the file; then say the
+        worker's step count ``counted`` (when the state was taken) can be resumed from."""
         self.copy_wait_s = 0.0
         if pending:
             self._copied.clear()
         self._thread = threading.Thread(
-            target=self._run, args=(step, payload, pending, ready), name=f"flexrun-mem-{step}"
+            target=self._run,
+            args=(step, payload, pending, ready, counted),
+            name=f"flexrun-mem-{step}",
         )
         self._thread.start()
 
@@ -176,6 +181,7 @@ class MemSaver:
         payload: dict[str, Any],
         pending: list[tuple[torch.Tensor, torch.Tensor]],
         ready: threading.Event | None,
+        counted: int,
     ) -> None:
         try:
             try:
@@ -185,6 +191,7 @@ class MemSaver:
             if ready is not None:
                 ready.wait()  # (set in a finally: never left unset)
             self.last_bytes = write_copy(self.directory, step, payload)
+            worker_hook.saved(counted)
         except BaseException as exc:  # handed to the training thread at its next save
             self._error = exc
 

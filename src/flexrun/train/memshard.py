@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from flexrun import worker_hook
 from flexrun._clock import Clock
 from flexrun.errors import CheckpointError
 from flexrun.events import EventLog
@@ -227,6 +228,7 @@ class ShardMemoryTier(TierBase):
             return durable
         try:
             write_copy(self.dir, step, payload)
+            worker_hook.saved(worker_hook.counted())  # (synchronous: the state is now's)
         except OSError as exc:
             self._turn_off(f"memory copy failed: {exc}")
         except Exception as exc:

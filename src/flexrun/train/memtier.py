@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexrun import worker_hook
 from flexrun._clock import Clock
 from flexrun.errors import CheckpointError
 from flexrun.events import EventLog
@@ -228,7 +229,7 @@ class MemoryTier(TierBase):
             )
             return
         record = {"step": step, "world_size": self._ctx.world_size, "round": self._ctx.round}
-        self.saver.start(step, {**payload, META: record}, pending, ready)
+        self.saver.start(step, {**payload, META: record}, pending, ready, worker_hook.counted())
 
     def save_copy(
         self,

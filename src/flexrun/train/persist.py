@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from flexrun import worker_hook
 from flexrun._clock import Clock
 from flexrun.errors import CheckpointError, StorageFailure
 from flexrun.train.context import TrainContext
@@ -100,8 +101,11 @@ class Persister:
         step: int,
         payload: dict[str, Any],
         pending: list[tuple[torch.Tensor, torch.Tensor]],
+        counted: int = -1,
     ) -> None:
-        """Persist ``payload`` as ``step`` on a background thread (after ``pending`` copies)."""
+        """Persist ``payload`` as ``step`` on a background thread (after ``pending`` copies);
+        ``counted``: the worker's step count when the state was taken (said once committed:
+        :func:`flexrun.worker_hook.saved`)."""
         if pending:
             self._copied.clear()
         share = self.options.persist_cpu_share
@@ -112,7 +116,9 @@ class Persister:
         )
         self._idle = IdlePriority() if self.options.persist_when_idle else None
         self._thread = threading.Thread(
-            target=self._persist_bg, args=(step, payload, pending), name=f"flexrun-ckpt-{step}"
+            target=self._persist_bg,
+            args=(step, payload, pending, counted),
+            name=f"flexrun-ckpt-{step}",
         )
         self._thread.start()
 
@@ -151,6 +157,7 @@ class Persister:
         step: int,
         payload: dict[str, Any],
         pending: list[tuple[torch.Tensor, torch.Tensor]],
+        counted: int,
     ) -> None:
         try:
             try:
@@ -159,14 +166,16 @@ class Persister:
                 self._copied.set()
             if self._idle is not None:
                 self._idle.enter()
-            self.persist(step, payload, background=True)
+            self.persist(step, payload, background=True, counted=counted)
         except BaseException as exc:  # handed to the training thread on its next call
             self._error = exc
         finally:
             if self._idle is not None:
                 self._idle.done()
 
-    def persist(self, step: int, payload: dict[str, Any], *, background: bool) -> None:
+    def persist(
+        self, step: int, payload: dict[str, Any], *, background: bool, counted: int = -1
+    ) -> None:
         t0 = self._clock.monotonic()
         pacer = self._pacer if background else None
         if pacer is not None:
@@ -184,6 +193,7 @@ class Persister:
             raise
         self._failures.count = 0
         self._verified.mark(self._proto, step)
+        worker_hook.saved(counted)
         persist_s = self._clock.monotonic() - t0
         removed: list[int] = []
         try:

@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from flexrun import worker_hook
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.errors import CheckpointError
 from flexrun.events import EventLog
@@ -224,7 +225,7 @@ class ShardedCheckpointer(RankZero):
         if asynchronous:
             self._pending = save_async(self, step, staged, objects, extra, t0)
             return self._pending
-        local_error, entries = None, {}
+        local_error, entries, counted = None, {}, worker_hook.counted()
         try:
             writer, hashing = self._dcp_writer(staged)
             dcp.save(objects, storage_writer=writer)
@@ -233,7 +234,8 @@ class ShardedCheckpointer(RankZero):
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             local_error = f"rank {self._ctx.rank}: {_dcp_error(exc)}"
         gathered = self._gather((local_error, entries))
-        result = self._conclude(staged, gathered, stall_s=self._clock.monotonic() - t0)
+        stall_s = self._clock.monotonic() - t0
+        result = self._conclude(staged, gathered, stall_s=stall_s, counted=counted)
         result = self._broadcast(result)
         if isinstance(result, str):
             raise CheckpointError(result)
@@ -253,8 +255,11 @@ class ShardedCheckpointer(RankZero):
             )
         return entries
 
-    def _conclude(self, staged: Staged, gathered: list[Any], *, stall_s: float) -> str | None:
-        """Rank 0: commit, or discard and say why (``"error: ..."``); others: None."""
+    def _conclude(
+        self, staged: Staged, gathered: list[Any], *, stall_s: float, counted: int = -1
+    ) -> str | None:
+        """Rank 0: commit, or discard and say why (``"error: ..."``); others: None.
+        ``counted``: the worker's step count the state was taken at (said once committed)."""
         result = None
         if self._ctx.is_main:
             try:
@@ -265,6 +270,7 @@ class ShardedCheckpointer(RankZero):
                 for _, files in gathered:
                     merged.update(files)
                 self._commit(staged, merged, stall_s=stall_s)
+                worker_hook.saved(counted)
             except CheckpointError as exc:
                 message = str(exc)
                 try:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from flexrun import worker_hook
 from flexrun.errors import CheckpointError
 from flexrun.train.dcp_io import _dcp_error
 from flexrun.train.layout import Staged
@@ -109,6 +110,7 @@ def save_async(
     """
     group = ck._group() if ck._distributed() else None
     pending = PendingSave(step)
+    counted = worker_hook.counted()  # (the state's step count, said once committed)
     local_error, entries, future, hashing = None, {}, None, None
     try:
         writer, hashing = ck._dcp_writer(staged)
@@ -141,7 +143,7 @@ def save_async(
         local = None if err is None else f"rank {ck._ctx.rank}: {err}"
         try:
             gathered = _gather_in(ck, group, (local, files))
-            result = ck._conclude(staged, gathered, stall_s=stall)
+            result = ck._conclude(staged, gathered, stall_s=stall, counted=counted)
             result = _broadcast_in(group, result)
         except Exception as exc:  # the group itself failed (a rank died): not committed
             result = f"error: the save of step {step} did not complete: {exc}"

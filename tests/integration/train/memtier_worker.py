@@ -55,7 +55,7 @@ def main() -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         ckpt.save(step, extra={"step": step}, blocking=step == args.steps)
-        log.write(json.dumps({"step": step, "pid": os.getpid()}) + "\n")
+        log.write(json.dumps({"step": step, "pid": os.getpid(), "t": time.time()}) + "\n")
         if step == args.corrupt_at and ctx.rank == 0 and ctx.restart_count == 0:
             ckpt.wait()  # the copy of this step is written
             copy = next(Path(ctx.memory_dir or "").glob(f"ckpt-*/step_{step}.mem"))

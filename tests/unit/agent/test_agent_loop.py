@@ -108,6 +108,9 @@ class FakeRunner:
     def first_step_mono(self) -> float | None:
         return self.first_step
 
+    def kept_until(self) -> float | None:
+        return None
+
     @property
     def active(self) -> bool:
         return self.running

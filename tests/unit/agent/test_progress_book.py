@@ -65,3 +65,47 @@ def test_ettr_counts_only_from_the_first_step() -> None:
     clock.advance(5.0)
     up.stop(productive=True)
     assert up.total_s == 5.0
+
+
+def test_a_failed_segment_counts_up_to_its_newest_resumable_checkpoint() -> None:
+    clock = FakeClock()
+    t0 = clock.monotonic()
+    up = Uptime(clock)
+    up.restart()
+    clock.advance(10.0)
+    up.observe(clock.monotonic())  # first step at 10
+    clock.advance(30.0)
+    up.stop(productive=False)  # failed at 40, no checkpoint said: all of it is redone
+    assert up.total_s == 0.0
+    up.restart()
+    clock.advance(5.0)
+    up.observe(clock.monotonic())  # first step at 45
+    clock.advance(30.0)
+    up.stop(productive=False, kept_until=t0 + 65.0)  # failed at 75; resumes from the state of 65
+    assert up.total_s == 20.0
+    up.restart()
+    up.observe(clock.monotonic())
+    up.stop(productive=False, kept_until=1e9)  # (never past the failure itself)
+    assert up.total_s == 20.0
+
+
+def test_the_newest_checkpoint_every_saving_rank_said_gives_when_its_state_was_taken(
+    tmp_path: Path,
+) -> None:
+    book = ProgressBook()
+    book.reset({0: tmp_path / "p0", 1: tmp_path / "p1"})
+    assert book.kept_until() is None
+    for t, (s0, s1) in enumerate([(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)], start=1):
+        (tmp_path / "p0").write_text(f"{s0} 0 s2\n" if t >= 4 else f"{s0} 0\n")
+        (tmp_path / "p1").write_text(f"{s1} 0\n")
+        book.update(float(t))
+    # rank 0 said at t=4 that the state after 2 steps (seen at t=2) can be resumed from;
+    # rank 1 saves nothing (a rank-0 checkpoint): it does not hold the answer back
+    assert book.ranks[0].saved == 2 and book.kept_until() == 2.0
+    (tmp_path / "p1").write_text("6 0 s4\n")  # once it says one, the older of the two wins
+    (tmp_path / "p0").write_text("6 0 s5 end\n")
+    book.update(6.0)
+    assert book.ranks[0].ended and book.kept_until() == 4.0  # rank 1's 4 steps: seen at t=4
+    (tmp_path / "p1").write_text("7 0 s7\n")  # a count never seen before the save: not known
+    book.update(7.0)
+    assert book.ranks[1].saved_mono() == 7.0 and book.kept_until() == 5.0
