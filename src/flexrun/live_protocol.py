@@ -39,6 +39,9 @@ ENV_STORE = "FLEXRUN_LIVE_STORE"
 ENV_WORKER_ID = "FLEXRUN_WORKER_ID"
 ENV_HEARTBEAT = "FLEXRUN_LIVE_HEARTBEAT"
 ENV_HEARTBEAT_INTERVAL = "FLEXRUN_LIVE_HEARTBEAT_INTERVAL"
+ENV_SHARDS = "FLEXRUN_LIVE_SHARDS"
+ENV_GROUP = "FLEXRUN_LIVE_GROUP"
+ENV_SHARD = "FLEXRUN_LIVE_SHARD"
 
 
 class LiveKeys:
@@ -57,6 +60,10 @@ class LiveKeys:
     def epoch_namespace(self, number: int) -> str:
         """Prefix of epoch ``number``'s own keys (arrival reports, process group)."""
         return f"{self.root}e/{number}/"
+
+    def group_namespace(self, group: str) -> str:
+        """Prefix of replica group ``group``'s own process group (sharded live jobs)."""
+        return f"{self.root}g/{group}/"
 
     @staticmethod
     def ready(rank: int) -> str:
@@ -138,11 +145,17 @@ class MemberReport:
     step: int
     has_state: bool
     checksum: str | None = None
+    group: str | None = None
+    """Its replica group (sharded live jobs; None: a whole-model replica)."""
+    shard: int = 0
+    """Its shard index within the group."""
 
     def encode(self) -> str:
         data: dict[str, object] = {"step": self.step, "has_state": self.has_state}
         if self.checksum is not None:
             data["checksum"] = self.checksum
+        if self.group is not None:
+            data["group"], data["shard"] = self.group, self.shard
         return json.dumps(data)
 
     @classmethod
@@ -150,11 +163,13 @@ class MemberReport:
         """Raises ValueError on a malformed report."""
         d = _json_object(raw, "member report")
         try:
-            checksum = d.get("checksum")
+            checksum, group = d.get("checksum"), d.get("group")
             return cls(
                 int(str(d["step"])),
                 bool(d["has_state"]),
                 str(checksum) if checksum is not None else None,
+                str(group) if group is not None else None,
+                int(str(d.get("shard", 0))),
             )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed member report: {exc}") from exc
@@ -172,6 +187,13 @@ class LiveEnv:
     heartbeat_interval_s: float
     run_dir: str | None
     round: int
+    shards: int = 1
+    """Workers per replica group (``--live-shards``); 1: every worker a whole replica."""
+    group: str = ""
+    """This worker's replica group: the same id for the workers of one group, a new one
+    each time the agent replaces the group (sharded jobs; "" otherwise)."""
+    shard: int = 0
+    """This worker's shard index within its group."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> LiveEnv:
@@ -183,7 +205,7 @@ class LiveEnv:
             )
         try:
             host, _, port = env[ENV_STORE].rpartition(":")
-            return cls(
+            out = cls(
                 store_host=host,
                 store_port=int(port),
                 run_id=env["FLEXRUN_RUN_ID"],
@@ -192,22 +214,40 @@ class LiveEnv:
                 heartbeat_interval_s=float(env.get(ENV_HEARTBEAT_INTERVAL, "0.5")),
                 run_dir=env.get("FLEXRUN_RUN_DIR") or None,
                 round=int(env.get("FLEXRUN_ROUND", "0")),
+                shards=int(env.get(ENV_SHARDS, "1")),
+                group=env.get(ENV_GROUP, ""),
+                shard=int(env.get(ENV_SHARD, "0")),
             )
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"live-mode environment incomplete or malformed: {exc}") from exc
+        if out.shards < 1 or not 0 <= out.shard < out.shards or (out.shards > 1 and not out.group):
+            raise ConfigError(
+                f"live-mode environment malformed: shard {out.shard} of {out.shards} in group "
+                f"{out.group!r}"
+            )
+        return out
 
 
 def worker_env(
-    *, store: tuple[str, int], worker_id: str, heartbeat: Path, heartbeat_interval_s: float
+    *,
+    store: tuple[str, int],
+    worker_id: str,
+    heartbeat: Path,
+    heartbeat_interval_s: float,
+    group: tuple[int, str, int] | None = None,
 ) -> dict[str, str]:
-    """The live-mode variables of one worker (added to its torchrun-style environment)."""
-    return {
+    """The live-mode variables of one worker (added to its torchrun-style environment);
+    ``group``: (shards per group, group id, shard index) of a sharded job."""
+    env = {
         ENV_LIVE: "1",
         ENV_STORE: f"{store[0]}:{store[1]}",
         ENV_WORKER_ID: worker_id,
         ENV_HEARTBEAT: str(heartbeat),
         ENV_HEARTBEAT_INTERVAL: str(heartbeat_interval_s),
     }
+    if group is not None:
+        env[ENV_SHARDS], env[ENV_GROUP], env[ENV_SHARD] = (str(x) for x in group)
+    return env
 
 
 # -- the heartbeat file ------------------------------------------------------------------------

@@ -303,6 +303,13 @@ def add_flexrun_options(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
         "restart (torchrun semantics), auto (live if the script uses LiveLoop)",
     )
     o.value(
+        "--live-shards",
+        default="1",
+        help="live mode: workers per replica group (consecutive local ranks; a sharded "
+        "model, FSDP2 within a group, replicas across groups). A failed worker takes its "
+        "group out; the other groups keep training. 1: every worker a whole replica",
+    )
+    o.value(
         "--hang-timeout",
         default="60",
         help="the least silence (seconds) after which a rank is hung: its stacks are "

@@ -30,6 +30,7 @@ FLEXRUN_ONLY = {
     "run_dir",
     "node_id",
     "mode",
+    "live_shards",
     "hang_timeout",
     "crash_loop_restarts",
     "metrics_port",

@@ -24,6 +24,7 @@ from pathlib import Path
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import AttemptOutputs
 from flexrun.agent.live_epochs import EpochPublisher
+from flexrun.agent.live_groups import ReplicaGroups
 from flexrun.agent.policy import LiveFailed, LiveFinished
 from flexrun.agent.runner import LoopProgress, RoundStart
 from flexrun.agent.spec import worker_envs
@@ -138,6 +139,7 @@ class LiveRunner(LoopProgress):
         self.clock = clock
         self.epochs = EpochPublisher(store, run_id=config.run_id, node_id=node_id, events=events)
         self.slots: dict[int, LiveWorker] = {}
+        self.groups = ReplicaGroups(node_id, config.worker.nproc_per_node, config.live_shards)
         self.round: RoundRecord | None = None
         self.pool = pool
         """This node's first workers boot (Python, torch) as spares while the agent meets
@@ -211,7 +213,7 @@ class LiveRunner(LoopProgress):
         self.epochs.publish(rnd, self._included())
 
     def _included(self) -> list[str]:
-        return [lw.worker_id for _, lw in sorted(self.slots.items()) if lw.included]
+        return self.groups.members(self.slots)
 
     # -- processes ---------------------------------------------------------------------------
     def _next_id(self) -> str:
@@ -229,6 +231,7 @@ class LiveRunner(LoopProgress):
             heartbeat=heartbeat,
             store_addr=self.store_addr,
             secret_file=self._secret_file,
+            group=self.groups.worker_group(slot),
         )
 
     def _fill(
@@ -313,6 +316,7 @@ class LiveRunner(LoopProgress):
         epoch = self.epochs.current() if failures else None
         if dead and not any(other.finished for other in self.slots.values()):
             # (When some worker finished, training is complete: nothing left to replace.)
+            self.groups.take_out(dead, failures, self.slots, self.events)
             lost = self._state_lost(epoch)
             if lost is not None:
                 self._fall_back(lost)
@@ -424,8 +428,10 @@ def live_worker_env(
     heartbeat: Path,
     store_addr: tuple[str, int],
     secret_file: Path | None,
+    group: tuple[int, str, int] | None = None,
 ) -> dict[str, str]:
-    """The environment of the live worker ``worker_id`` in local slot ``slot``."""
+    """The environment of the live worker ``worker_id`` in local slot ``slot`` (``group``:
+    its replica group in a sharded job, see ``flexrun.live_protocol.worker_env``)."""
     env = worker_envs(
         base=c.worker.environ,
         rnd=rnd,
@@ -457,6 +463,7 @@ def live_worker_env(
             worker_id=worker_id,
             heartbeat=heartbeat,
             heartbeat_interval_s=min(0.5, c.rendezvous.heartbeat_interval_s),
+            group=group,
         )
     )
     return env

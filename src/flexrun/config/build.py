@@ -261,11 +261,12 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         if a.get("accelerate_config")
         else {}
     )
+    shards = _int(a.get("live_shards") or 1, "--live-shards", low=1)
     spares_raw = a["warm_spares"]
     spares = (
         _int(spares_raw, "--warm-spares")
         if spares_raw not in (None, "")
-        else (1 if mode == "live" else nproc)
+        else (shards if mode == "live" else nproc)
     )
     redirects, tee = _std(a["redirects"], "--redirects"), _std(a["tee"], "--tee")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -349,5 +350,6 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         store=store,
         rendezvous=rdzv,
         mode=mode,
+        live_shards=shards,
         hang_timeout_s=parse_duration(a["hang_timeout"], "--hang-timeout"),
     )

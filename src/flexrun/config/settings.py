@@ -198,6 +198,10 @@ class RunConfig:
     (``flexrun.agent.spec.worker_envs``). None: one-host job, or no interface has the address."""
     mode: str = "restart"
     """``restart`` (torchrun semantics) or ``live`` (survivors never restart)."""
+    live_shards: int = 1
+    """Live mode: workers per replica group (``--live-shards``), consecutive local ranks
+    of one node; a failed worker takes its whole group out (sharded models, FSDP2 within a
+    group). 1: every worker a whole replica."""
     hang_timeout_s: float = 60.0
     """The least silence after which a rank is hung (its stacks are captured and it is
     treated as failed); the limit is calibrated from the rank's observed steps
@@ -210,6 +214,13 @@ class RunConfig:
             raise ConfigError(
                 f"--hang-timeout {self.hang_timeout_s:g}: must be 0 (off) or positive"
             )
+        if self.live_shards < 1 or self.worker.nproc_per_node % self.live_shards:
+            raise ConfigError(
+                f"--live-shards {self.live_shards}: must divide --nproc-per-node "
+                f"{self.worker.nproc_per_node} (a replica group is on one node)"
+            )
+        if self.live_shards > 1 and self.mode != "live":
+            raise ConfigError(f"--live-shards {self.live_shards}: applies to --mode live only")
         if self.mode == "live" and not backend_named(self.store.backend).live:
             raise ConfigError(
                 f"--mode live needs the tcp store (--rdzv-backend c10d); "

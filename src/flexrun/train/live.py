@@ -36,7 +36,8 @@ event; the decision is ``flexrun.train.live_plan.plan_recovery``.
 
 Modules: this one runs the step loop and its commits; ``live_group`` owns the epochs and
 process groups (steps 1, 2 and 4 and the arrival in 3), ``live_sync`` the checksum and
-the state broadcast, ``live_plan`` the pure recovery decision.
+the state broadcast, ``live_plan`` the pure recovery decision, ``live_shards`` what
+differs for a sharded model (replica groups of FSDP2 shards: ``--live-shards``).
 
 Backends: gloo with CPU tensors is the only implemented and tested path. NCCL is not
 implemented (nor run on a GPU). The intended design: a
@@ -71,6 +72,7 @@ from flexrun.live_protocol import EpochRecord, LiveEnv, MemberReport, mark_state
 from flexrun.train.live_durable import LiveDurability
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
+from flexrun.train.live_shards import Shards, micro_chunks, shard_mesh
 from flexrun.train.live_sync import broadcast_state, state_checksum
 from flexrun.train.stopsignal import hold as hold_stop_signal
 
@@ -100,10 +102,15 @@ class Step:
         ]
 
     def batches(self, micro_batch: int | None = None) -> Iterator[Any]:
-        """This rank's share of the step's global batch, collated, in micro-batches."""
-        size = micro_batch or max(1, len(self.indices))
-        for i in range(0, len(self.indices), size):
-            chunk = self.indices[i : i + size]
+        """This rank's share of the step's global batch, collated, in micro-batches (of a
+        sharded model: as many on every rank as on the one with the largest share)."""
+        if self._loop.shards is not None:
+            largest = -(-self._loop.global_batch // self.world_size)
+            chunks = micro_chunks(self.indices, micro_batch, largest)
+        else:
+            size = micro_batch or max(1, len(self.indices))
+            chunks = [self.indices[i : i + size] for i in range(0, len(self.indices), size)]
+        for chunk in chunks:
             self._loop._current_micro = len(chunk)
             yield self._loop.collate([self._loop.dataset[j] for j in chunk])
 
@@ -111,6 +118,25 @@ class Step:
         """Backward of a loss that is the mean over the last micro-batch, weighted by its
         share of the global batch (uneven splits are exact, not rejected)."""
         (loss * (self._loop._current_micro / self._loop.global_batch)).backward()
+
+
+def _sum_replicas(
+    group: EpochGroup, params: Sequence[torch.Tensor], flags: torch.Tensor
+) -> torch.Tensor:
+    """Whole-model replicas: sum the gradients of ``params`` and ``flags`` in one all-reduce
+    over the epoch's group (an aborting epoch change raises LiveAborted); returns the summed
+    flags."""
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    if grads:  # (a model on a GPU: one buffer on its device)
+        flags = flags.to(dtype=grads[0].dtype, device=grads[0].device)
+    buf = torch.cat([*grads, flags]) if grads else flags
+    group.wait(group.pg.allreduce([buf]))
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = buf[offset : offset + n].view_as(p).clone()
+        offset += n
+    return buf[-2:]
 
 
 def _default_collate(items: Sequence[Any]) -> Any:
@@ -173,6 +199,13 @@ class LiveLoop:
         self._preempted = False
         self._flags = (0.0, 0.0)
         self._params = [p for p in model.parameters()]
+        self.shards = Shards(self.env, model, optimizer) if self.env.shards > 1 else None
+        """The replica-group side of a sharded model (``flexrun.train.live_shards``)."""
+        if self.shards is not None and checkpoint_dir:
+            raise ConfigError(
+                "checkpoint_dir: durable checkpoints of a sharded live job are not implemented; "
+                "its state lives in its replica groups (a lost group takes a healthy one's)"
+            )
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
         self.group = EpochGroup(self.env, timeout_s=timeout_s, environ=env_vars, events=self.events)
@@ -277,30 +310,21 @@ class LiveLoop:
         except LiveAborted as exc:
             self._rejoin(reason=str(exc))
             return False
-        grads = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for p in self._params
-        ]
         flags = torch.tensor(
-            [1.0 if self.group.pending_change else 0.0, 1.0 if self._preempted else 0.0],
-            dtype=grads[0].dtype if grads else torch.float32,
-            device=grads[0].device if grads else None,  # (a model on a GPU: one buffer)
+            [1.0 if self.group.pending_change else 0.0, 1.0 if self._preempted else 0.0]
         )
-        buf = torch.cat([*grads, flags]) if grads else flags
         try:
-            self.group.wait(self.group.pg.allreduce([buf]))
+            if self.shards is not None:
+                self.shards.reduce(self.group.wait, flags, self.group.pg)
+            else:
+                flags = _sum_replicas(self.group, self._params, flags)
         except LiveAborted as exc:
             self._rejoin(reason=str(exc))
             return False
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.grad = buf[offset : offset + n].view_as(p).clone()
-            offset += n
         self.optimizer.step()
         self.committed += 1
         self.has_state = True
-        self._flags = (float(buf[-2]), float(buf[-1]))
+        self._flags = (float(flags[-2]), float(flags[-1]))
         if self.checkpoint_every and self.committed % self.checkpoint_every == 0 and self.rank == 0:
             self.durable.save(self.committed)
         if self._flags[0] > 0 and not self._flags[1] > 0:
@@ -341,24 +365,42 @@ class LiveLoop:
                 after = rec.number
 
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
-        report = MemberReport(
-            self.committed,
-            self.has_state,
-            state_checksum(self.model) if self.has_state else None,
+        sh = self.shards
+        report = (
+            sh.report(self.committed, self.has_state)
+            if sh is not None
+            else MemberReport(
+                self.committed,
+                self.has_state,
+                state_checksum(self.model) if self.has_state else None,
+            )
         )
         reports = self.group.agree(rec, report, has_state=self.has_state)
-        plan = plan_recovery(reports, formed=self.group.formed_before())
+        if sh is not None:
+            layout, plan = sh.plan(reports, formed=self.group.formed_before())
+        else:
+            plan = plan_recovery(reports, formed=self.group.formed_before())
         self.rank, self.world_size = self.group.form(rec)
+        if sh is not None:
+            # (shard i of every group: this shard's gradient sum and state transfer)
+            replicas = layout.replicas(self.env.shard)
+            sh.position = replicas.index(self.rank)
+            sh.pg = self.group.subgroup(rec, f"r{self.env.shard}", sh.position, len(replicas))
         self._flags = (0.0, 0.0)
         error = None
-        if plan.load_durable and self.rank == plan.source:
+        me = sh.position if sh is not None else self.rank
+        if plan.load_durable and me == plan.source:
             try:
                 self.committed = self.durable.restore(
                     rec.number, plan.fallback, has_state=self.has_state
                 )
             except CheckpointError as exc:
                 error = str(exc)
-        if plan.transfer:
+        if plan.transfer and sh is not None:
+            self.committed = sh.transfer(
+                self.group.wait, source=plan.source, step=self.committed, error=error
+            )
+        elif plan.transfer:
             self.committed = broadcast_state(
                 self.group.pg,
                 self.group.wait,
@@ -404,6 +446,7 @@ __all__ = [
     "LiveEnv",
     "LiveLoop",
     "Step",
+    "shard_mesh",
     "split_share",
     "state_checksum",
 ]

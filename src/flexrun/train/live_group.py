@@ -70,6 +70,7 @@ class EpochGroup:
         self.pending_change = False
         """A growing epoch was published: switch at the next step boundary."""
         self._abandoned: list[Any] = []  # old groups are leaked on purpose, never aborted
+        self._subgroups: list[Any] = []  # the current epoch's other groups (sharded jobs)
         self._next_check = 0.0
         self.keys = LiveKeys(env.run_id)
         self._prefix: Any = None
@@ -186,16 +187,27 @@ class EpochGroup:
             time.sleep(0.0005)
 
     def abandon(self) -> None:
-        """Give up the current process group (leaked: see ``live_sync.leak``)."""
-        if self.pg is not None:
-            self._abandoned.append(self.pg)
-            leak(self.pg)
-            self.pg = None
+        """Give up the current process group and its subgroups (leaked: see
+        ``live_sync.leak``)."""
+        for pg in [self.pg, *self._subgroups]:
+            if pg is not None:
+                self._abandoned.append(pg)
+                leak(pg)
+        self.pg = None
+        self._subgroups = []
 
     def leak_all(self) -> None:
-        for pg in [*self._abandoned, self.pg]:
+        for pg in [*self._abandoned, self.pg, *self._subgroups]:
             if pg is not None:
                 leak(pg)
+
+    def subgroup(self, rec: EpochRecord, name: str, rank: int, size: int) -> Any:
+        """A group of ``size`` of ``rec``'s members (this one at ``rank``), named ``name``
+        in the epoch's namespace, given up with the epoch's (raises LiveAborted as form)."""
+        prefix = dist.PrefixStore(f"{self.keys.epoch_namespace(rec.number)}{name}/", self._raw)
+        pg = _gloo(prefix, rank, size, self.timeout_s, f"epoch {rec.number}'s group {name}")
+        self._subgroups.append(pg)
+        return pg
 
     # -- moving to the next epoch ---------------------------------------------------------------
     def next_epoch(self, after: int, *, has_state: bool) -> EpochRecord:
@@ -318,16 +330,10 @@ class EpochGroup:
         """
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
         prefix = self._prefix or dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
-        try:
-            self.pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            self._prefix = None
-            raise LiveAborted(
-                f"epoch {rec.number}'s group did not form: {str(exc).splitlines()[0][:200]}"
-            ) from exc
+        self._prefix = None
+        self.pg = _gloo(prefix, rank, world, self.timeout_s, f"epoch {rec.number}'s group")
         self.epoch = rec
         self.pending_change = False
-        self._prefix = None
         return rank, world
 
     # -- job-wide markers ---------------------------------------------------------------------
@@ -340,6 +346,18 @@ class EpochGroup:
 
     def mark_done(self, steps: int) -> None:
         self._patiently(lambda: self.store.put(self.keys.done, str(steps).encode()))
+
+
+def _gloo(prefix: Any, rank: int, world: int, timeout_s: float, what: str) -> Any:
+    """A gloo process group on ``prefix``.
+
+    Raises:
+        LiveAborted: it could not form (a member or the store went away).
+    """
+    try:
+        return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise LiveAborted(f"{what} did not form: {str(exc).splitlines()[0][:200]}") from exc
 
 
 __all__ = ["EpochGroup", "LiveAborted", "LiveEnv", "TrainingFinished"]

@@ -20,10 +20,12 @@ from flexrun.errors import CheckpointError
 
 
 def state_checksum(model: torch.nn.Module) -> str:
-    """sha256 of the model's state in a fixed order (survivors must agree after recovery)."""
+    """sha256 of the model's state in a fixed order (survivors must agree after recovery);
+    of a sharded model, of this rank's shards (its replicas in other groups must agree)."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
+        t = t.to_local() if hasattr(t, "to_local") else t  # (a shard: this rank's part)
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 

@@ -1,0 +1,110 @@
+"""Sharded live mode with real processes: 2 replica groups x 2 FSDP2 shards on CPU/gloo.
+
+A kill -9 or a SIGSTOP of one shard worker takes its group out; the other group keeps its
+processes and commits the step; a new group (warm spares) takes each shard's model and
+optimizer state from the healthy group's same shard, and the run ends bitwise equal to one
+without the failure (the group count, so the sum order, is the same once it is back).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from live_support import (
+    HB,
+    assert_at_most_step_in_flight_redone,
+    assert_every_sample_once_per_data_epoch,
+    spare_ready,
+    step_rows,
+    wait_step,
+)
+from support import Procs, read_events, wait_for
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_live_hsdp.py"
+STEPS = 160
+BATCH, DATA = 32, 1024
+
+
+def start(procs: Procs, name: str) -> tuple[object, Path]:
+    run = procs.tmp / name
+    run.mkdir()
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "4", "--mode", "live", "--live-shards",
+         "2", "--max-restarts", "5", "--rdzv-conf", HB, "--run-dir", str(run / "run"),
+         str(EXAMPLE), "--steps", str(STEPS), "--step-time", "0.05", "--global-batch",
+         str(BATCH), "--progress", str(run / "p.jsonl"), "--out", str(run / "out")],
+        name=name,
+    )  # fmt: skip
+    return agent, run
+
+
+def shards(out: Path) -> dict[int, list[dict]]:
+    """shard index -> the final state each of its replicas wrote."""
+    got: dict[int, list[dict]] = {}
+    for f in sorted(out.glob("shard*.pt")):
+        got.setdefault(int(f.name[5]), []).append(torch.load(f, weights_only=True))
+    return got
+
+
+def same(a: dict, b: dict) -> bool:
+    """Model shards and optimizer state (every tensor) bitwise equal."""
+    if a["model"].keys() != b["model"].keys() or a["optim"].keys() != b["optim"].keys():
+        return False
+    ok = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for i, st in a["optim"].items():
+        ok = ok and st.keys() == b["optim"][i].keys()
+        ok = ok and all(torch.equal(v, b["optim"][i][k]) for k, v in st.items())
+    return ok
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, list[dict]]]:
+    procs = Procs(tmp_path_factory.mktemp("hsdp-reference"))
+    try:
+        agent, run = start(procs, "reference")
+        assert procs.wait(agent, 240) == 0, procs.stderr("reference")[-3000:]  # type: ignore[arg-type]
+        yield shards(run / "out")
+    finally:
+        procs.cleanup()
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill_9", "sigstop"])
+def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equal(
+    procs: Procs, reference: dict[int, list[dict]], sig: signal.Signals
+) -> None:
+    assert sorted(reference) == [0, 1] and all(len(r) == 2 for r in reference.values())
+    agent, run = start(procs, "hit")
+    wait_step(run, 15)
+    wait_for(lambda: spare_ready(run), 90, "warm spares to be ready")
+    wait_for(lambda: len([p for p in run.rglob("spare-*.ready")]) >= 2, 90, "two warm spares")
+    first = {r["rank"]: r["pid"] for r in step_rows(run) if r["epoch"] == 1}
+    assert sorted(first) == [0, 1, 2, 3]
+    os.kill(first[3], sig)  # (shard 1 of the second group)
+    assert max(r["step"] for r in step_rows(run)) < STEPS - 30, "hit too late to test"
+    assert procs.wait(agent, 300) == 0, procs.stderr("hit")[-3000:]  # type: ignore[arg-type]
+
+    rows = step_rows(run)
+    late = {r["pid"] for r in rows if r["step"] >= STEPS - 3}
+    assert {first[0], first[1]} <= late, "the healthy group's workers were restarted"
+    assert not {first[2], first[3]} & late, "the hit group was not replaced"
+    events = read_events(run / "run")
+    dropped = [e for e in events if e["event"] == "live_group_dropped"]
+    assert len(dropped) == 1 and dropped[0]["killed"] == [2], dropped
+    if sig == signal.SIGSTOP:
+        assert [e for e in events if e["event"] == "hang_detected"]
+    joined = [e for e in events if e["event"] == "live_joined" and e["epoch"] >= 2]
+    assert {e["rank"] for e in joined} == {0, 1, 2, 3}
+    assert all(e["source"] == 0 and e["step"] > 0 for e in joined), joined  # (from a peer)
+    assert_at_most_step_in_flight_redone(run, recoveries=1)
+    assert_every_sample_once_per_data_epoch(rows, global_batch=BATCH, dataset=DATA)
+    got = shards(run / "out")
+    assert sorted(got) == [0, 1] and all(len(r) == 2 for r in got.values())
+    for i in (0, 1):
+        assert all(same(got[i][0], r) for r in got[i][1:]), f"shard {i}: replicas differ"
+        assert same(got[i][0], reference[i][0]), f"shard {i}: not bitwise equal to the reference"
