@@ -39,6 +39,10 @@ store off: docs/user/running.md):
    ``flexrun store``; torchrun's first agent hosts the store. Under ``1:2`` a live-mode
    row: a second ``flexrun run --mode live`` agent joins a live job.
 
+4. HSDP (``--hsdp``, ``bench_hsdp.py``): a sharded model (2 replica groups x 2 FSDP2 shards,
+   10.5M parameters, Adam): kill -9 of one shard worker, flexrun live mode
+   (``--live-shards 2``) beside torchrun restarting the same model from its DCP checkpoint.
+
 Workloads: ``tests/integration/scripts/ddp_steps.py`` (plain torchrun-style DDP on gloo,
 checkpoint every 5 steps, one JSON progress line per completed step) for restart mode and
 torchrun; ``tests/integration/scripts/live_steps.py`` (``flexrun.train.LiveLoop``, one
@@ -72,6 +76,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_hsdp  # noqa: E402  (the HSDP case, --hsdp)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "tests" / "integration" / "scripts" / "ddp_steps.py"
@@ -978,6 +985,7 @@ def main() -> int:
         "at start (e.g. transformers,lightning); columns: flexrun restart with and without "
         "--spare-preload of them, torchrun",
     )
+    bench_hsdp.add_args(ap)
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-scaleup", action="store_true")
@@ -1027,6 +1035,8 @@ def main() -> int:
             rc |= bench_burst(a, base, lines)
         if not a.skip_scaleup:
             rc |= bench_scaleup(a, base, lines)
+        if a.hsdp:
+            rc |= bench_hsdp.bench_hsdp(a, base, lines, Procs, poll)
         print("\n" + "=" * 96)
         print("\n".join(lines))
         print(f"\ntotal wall time {time.monotonic() - t_all:.0f}s")

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from live_support import (
     HB,
     assert_at_most_step_in_flight_redone,
@@ -24,6 +23,8 @@ from live_support import (
     wait_step,
 )
 from support import Procs, read_events, wait_for
+
+from flexrun.testing.shard_states import read_shards, same_state
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_live_hsdp.py"
 STEPS = 160
@@ -43,32 +44,13 @@ def start(procs: Procs, name: str) -> tuple[object, Path]:
     return agent, run
 
 
-def shards(out: Path) -> dict[int, list[dict]]:
-    """shard index -> the final state each of its replicas wrote."""
-    got: dict[int, list[dict]] = {}
-    for f in sorted(out.glob("shard*.pt")):
-        got.setdefault(int(f.name[5]), []).append(torch.load(f, weights_only=True))
-    return got
-
-
-def same(a: dict, b: dict) -> bool:
-    """Model shards and optimizer state (every tensor) bitwise equal."""
-    if a["model"].keys() != b["model"].keys() or a["optim"].keys() != b["optim"].keys():
-        return False
-    ok = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    for i, st in a["optim"].items():
-        ok = ok and st.keys() == b["optim"][i].keys()
-        ok = ok and all(torch.equal(v, b["optim"][i][k]) for k, v in st.items())
-    return ok
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, list[dict]]]:
     procs = Procs(tmp_path_factory.mktemp("hsdp-reference"))
     try:
         agent, run = start(procs, "reference")
         assert procs.wait(agent, 240) == 0, procs.stderr("reference")[-3000:]  # type: ignore[arg-type]
-        yield shards(run / "out")
+        yield read_shards(run / "out")
     finally:
         procs.cleanup()
 
@@ -103,8 +85,10 @@ def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equa
     assert all(e["source"] == 0 and e["step"] > 0 for e in joined), joined  # (from a peer)
     assert_at_most_step_in_flight_redone(run, recoveries=1)
     assert_every_sample_once_per_data_epoch(rows, global_batch=BATCH, dataset=DATA)
-    got = shards(run / "out")
+    got = read_shards(run / "out")
     assert sorted(got) == [0, 1] and all(len(r) == 2 for r in got.values())
     for i in (0, 1):
-        assert all(same(got[i][0], r) for r in got[i][1:]), f"shard {i}: replicas differ"
-        assert same(got[i][0], reference[i][0]), f"shard {i}: not bitwise equal to the reference"
+        assert all(same_state(got[i][0], r) for r in got[i][1:]), f"shard {i}: replicas differ"
+        assert same_state(got[i][0], reference[i][0]), (
+            f"shard {i}: not bitwise equal to the reference"
+        )

@@ -159,6 +159,11 @@ class Shards:
             )
         from torch.distributed.fsdp import FSDPModule
 
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ConfigError(
+                "a sharded live job's model is sharded with fully_shard(module, "
+                "mesh=shard_mesh()) before the LiveLoop; this one has no FSDP module"
+            )
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 # (sums, not means: the loop scales each micro-batch by its share of the
