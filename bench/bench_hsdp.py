@@ -13,9 +13,11 @@ Adam, ``--hsdp-steps`` steps of a global batch of 32:
 
 Each run is killed (kill -9) at rank 3 (shard 1 of the second group) once every rank has
 logged ``--hsdp-kill-at`` steps (flexrun: and two spares are ready). Recovery = the kill ->
-the first step logged after it that is past the last step logged before it (flexrun: in a
-later membership epoch; torchrun: by a new process). Survivors kept: the healthy group's
-workers (ranks 0 and 1) that logged the last steps with the pids they had before the kill.
+the first step committed after it that is past the last step committed before it (the
+optimizer stepped: torchrun's progress lines, written after ``opt.step()``; flexrun's
+``--commits`` lines) by a new process (torchrun) or in a later membership epoch (flexrun).
+Survivors kept: the healthy group's workers (ranks 0 and 1) that logged the last steps with
+the pids they had before the kill.
 Recomputed: step numbers logged before the kill and again after it. Equal: every shard's final
 model and Adam state, both replicas, bitwise equal to a flexrun run of the same length without
 the kill (started first, in the same run).
@@ -75,7 +77,8 @@ def _model_args(a: argparse.Namespace, d: Path) -> list[str]:
 def _live_cmd(a: argparse.Namespace, d: Path) -> list[str]:
     return [sys.executable, "-m", "flexrun", "run", "--standalone", "--nproc-per-node", "4",
             "--mode", "live", "--live-shards", "2", "--max-restarts", "3", "--run-dir",
-            str(d / "run"), str(EXAMPLE), *_model_args(a, d), "--out", str(d / "out")]  # fmt: skip
+            str(d / "run"), str(EXAMPLE), *_model_args(a, d), "--out", str(d / "out"),
+            "--commits", str(d / "c.jsonl")]  # fmt: skip
 
 
 def _torchrun_cmd(a: argparse.Namespace, d: Path) -> list[str]:
@@ -111,14 +114,16 @@ def _trial(
         if kind == "torchrun":
             pids = {r["rank"]: r["pid"] for r in before if r["attempt"] == 0}
         last = max(r["step"] for r in before)
+        done = prog if kind == "torchrun" else d / "c.jsonl"  # (committed steps)
         t_kill = time.time()
+        last_done = max((r["step"] for r in _rows(done) if r["ts"] < t_kill), default=-1)
         procs.sweep()
         os.kill(pids[3], signal.SIGKILL)
         out.update(t_kill=t_kill, last=last, healthy={pids[0], pids[1]})
 
         def recovered() -> float | None:
-            for r in _rows(prog):
-                if r["ts"] <= t_kill or r["step"] <= last or r["pid"] == pids[3]:
+            for r in _rows(done):
+                if r["ts"] <= t_kill or r["step"] <= last_done or r["pid"] == pids[3]:
                     continue
                 if kind == "torchrun" and r["pid"] in pids.values():
                     continue  # (torchrun: a new process)

@@ -20,7 +20,8 @@ mesh_dim_names=("replicate", "shard"))`` then ``fully_shard(module, mesh=mesh)``
 2. the step loop is a ``LiveLoop`` (it splits the global batch over every rank of every
    group and steps the optimizer); the body calls ``step.backward(loss)``.
 
-Each rank appends one JSON line per step to ``--progress`` and, at the end, writes its
+Each rank appends one JSON line per step body to ``--progress`` (a step redone after a
+failure: twice), one per committed step to ``--commits``, and, at the end, writes its
 shard of the model and optimizer state to ``--out DIR`` (for comparisons).
 """
 
@@ -45,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--blocks", type=int, default=2, help="MLP blocks (each fully_shard-ed)")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
-    p.add_argument("--progress", default="", help="JSON lines, one per rank and step")
+    p.add_argument("--progress", default="", help="JSON lines, one per rank and step body")
+    p.add_argument("--commits", default="", help="JSON lines, one per rank and committed step")
     p.add_argument("--out", default="", help="directory for each rank's final shard")
     return p.parse_args(argv)
 
@@ -58,6 +60,12 @@ def build(dim: int, blocks: int) -> torch.nn.Module:
         for _ in range(blocks)
     ]  # fmt: skip
     return torch.nn.Sequential(*layers, torch.nn.Linear(dim, 1))
+
+
+def _log(path: str, row: dict) -> None:
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,18 +82,21 @@ def main(argv: list[str] | None = None) -> None:
     data = TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(1024, 1, generator=g))
 
     loop = LiveLoop(model, opt, data, global_batch=a.global_batch, steps=a.steps, seed=3)  # (2)
+    done = None  # (the row of the step whose commit the next iteration confirms)
     for step in loop:
+        if done is not None and done["step"] < step.number:
+            _log(a.commits, {**done, "ts": time.time()})  # (its commit happened just now)
         for xb, yb in step.batches():
             step.backward(torch.nn.functional.mse_loss(model(xb), yb))
         if a.step_time:
             time.sleep(a.step_time)
-        if a.progress:
-            row = {"ts": time.time(), "step": step.number, "rank": step.rank,
-                   "world": step.world_size, "pid": os.getpid(),
-                   "epoch": loop.epoch.number if loop.epoch else None,
-                   "ids": step.indices}  # fmt: skip
-            with open(a.progress, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+        row = {"ts": time.time(), "step": step.number, "rank": step.rank,
+               "world": step.world_size, "pid": os.getpid(),
+               "epoch": loop.epoch.number if loop.epoch else None}  # fmt: skip
+        _log(a.progress, {**row, "ids": step.indices})
+        done = row
+    if done is not None:
+        _log(a.commits, {**done, "ts": time.time()})
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         shard = int(os.environ["FLEXRUN_LIVE_SHARD"])

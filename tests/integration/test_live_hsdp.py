@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,12 +32,12 @@ STEPS = 160
 BATCH, DATA = 32, 1024
 
 
-def start(procs: Procs, name: str) -> tuple[object, Path]:
+def start(procs: Procs, name: str, *extra: str) -> tuple[object, Path]:
     run = procs.tmp / name
     run.mkdir()
     agent = procs.start(
         ["run", "--standalone", "--nproc-per-node", "4", "--mode", "live", "--live-shards",
-         "2", "--max-restarts", "5", "--rdzv-conf", HB, "--run-dir", str(run / "run"),
+         "2", "--max-restarts", "5", "--rdzv-conf", HB, "--run-dir", str(run / "run"), *extra,
          str(EXAMPLE), "--steps", str(STEPS), "--step-time", "0.05", "--global-batch",
          str(BATCH), "--progress", str(run / "p.jsonl"), "--out", str(run / "out")],
         name=name,
@@ -67,6 +68,7 @@ def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equa
     wait_for(lambda: len([p for p in run.rglob("spare-*.ready")]) >= 2, 90, "two warm spares")
     first = {r["rank"]: r["pid"] for r in step_rows(run) if r["epoch"] == 1}
     assert sorted(first) == [0, 1, 2, 3]
+    t_hit = time.time()
     os.kill(first[3], sig)  # (shard 1 of the second group)
     assert max(r["step"] for r in step_rows(run)) < STEPS - 30, "hit too late to test"
     assert procs.wait(agent, 300) == 0, procs.stderr("hit")[-3000:]  # type: ignore[arg-type]
@@ -79,7 +81,10 @@ def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equa
     dropped = [e for e in events if e["event"] == "live_group_dropped"]
     assert len(dropped) == 1 and dropped[0]["killed"] == [2], dropped
     if sig == signal.SIGSTOP:
-        assert [e for e in events if e["event"] == "hang_detected"]
+        # Seen stopped (0.3 s), not waited out to the heartbeat timeout (3 s here).
+        hang = [e for e in events if e["event"] == "hang_detected"]
+        assert hang and hang[0]["why"].startswith("stopped by a signal"), hang
+        assert hang[0]["ts"] - t_hit < 2.0, hang
     joined = [e for e in events if e["event"] == "live_joined" and e["epoch"] >= 2]
     assert {e["rank"] for e in joined} == {0, 1, 2, 3}
     assert all(e["source"] == 0 and e["step"] > 0 for e in joined), joined  # (from a peer)
@@ -92,3 +97,42 @@ def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equa
         assert same_state(got[i][0], reference[i][0]), (
             f"shard {i}: not bitwise equal to the reference"
         )
+
+
+@pytest.mark.timeout(420)
+def test_a_replacement_lost_during_the_recovery_is_replaced_again_and_nothing_torn_is_loaded(
+    procs: Procs, reference: dict[int, list[dict]]
+) -> None:
+    """The new group's shard 1 is stopped the moment it starts (SIGSTOP, before it reaches
+    the loop: the survivors wait for it to take its state), so the agent takes that group out
+    too; a third group (warm spares again) takes the state, and the run ends bitwise equal."""
+    agent, run = start(procs, "twice", "--warm-spares", "4")  # (two groups' worth)
+    wait_step(run, 15)
+    wait_for(lambda: len(list(run.rglob("spare-*.ready"))) >= 4, 90, "four warm spares")
+    first = {r["rank"]: r["pid"] for r in step_rows(run) if r["epoch"] == 1}
+    os.kill(first[3], signal.SIGKILL)
+
+    def replacement() -> int | None:
+        new = [e for e in read_events(run / "run") if e["event"] == "worker_started"
+               and e["local_rank"] == 3]  # fmt: skip
+        return new[1]["pid"] if len(new) > 1 else None
+
+    victim = wait_for(replacement, 60, "the replacement of rank 3", interval=0.005)
+    os.kill(victim, signal.SIGSTOP)
+    assert procs.wait(agent, 300) == 0, procs.stderr("twice")[-3000:]  # type: ignore[arg-type]
+
+    events = read_events(run / "run")
+    started = [e for e in events if e["event"] == "worker_started" and e["pid"] == victim]
+    joined = {e["node"] for e in events if e["event"] == "live_joined"}
+    assert started and started[0]["worker_id"] not in joined, "stopped after it had joined"
+    assert len([e for e in events if e["event"] == "live_group_dropped"]) == 2
+    hang = [e for e in events if e["event"] == "hang_detected"]
+    assert hang and hang[0]["why"].startswith("stopped by a signal"), hang
+    assert not [e for e in events if e["event"] == "live_fallback"]
+    rows = step_rows(run)
+    assert {first[0], first[1]} <= {r["pid"] for r in rows if r["step"] >= STEPS - 3}
+    assert_every_sample_once_per_data_epoch(rows, global_batch=BATCH, dataset=DATA)
+    got = read_shards(run / "out")
+    for i in (0, 1):
+        assert len(got[i]) == 2, got.keys()
+        assert all(same_state(reference[i][0], r) for r in got[i]), f"shard {i} differs"

@@ -24,7 +24,7 @@ from pathlib import Path
 from flexrun._clock import SYSTEM_CLOCK, Clock
 from flexrun.agent.console import AttemptOutputs
 from flexrun.agent.live_epochs import EpochPublisher
-from flexrun.agent.live_groups import ReplicaGroups
+from flexrun.agent.live_groups import MATE_EXIT_WAIT_S, ReplicaGroups
 from flexrun.agent.policy import LiveFailed, LiveFinished
 from flexrun.agent.runner import LoopProgress, RoundStart
 from flexrun.agent.spec import worker_envs
@@ -43,6 +43,7 @@ from flexrun.proc import (
     reap,
     spawn_worker,
     start_tees,
+    stopped,
 )
 from flexrun.proc.drain import Console
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
@@ -69,6 +70,27 @@ class LiveWorker:
     """Part of this node's published member list."""
     finished: bool = False
     tees: list[Tee] = field(default_factory=list)
+    stopped_since: float | None = None
+    """When the agent first saw it stopped by a signal (monotonic; None: running)."""
+
+
+STOPPED_GRACE_S = 0.3
+"""A live worker stopped by a signal (SIGSTOP) this long is frozen: it cannot heart-beat,
+and the others' collectives wait on it. (A brief stop and continue is let be.)"""
+
+
+def _frozen(lw: LiveWorker, age_s: float | None, mono: float, timeout_s: float) -> str | None:
+    """Why ``lw`` (heartbeat ``age_s`` old; None: none yet) is frozen, or None. A worker
+    stopped before it reaches the loop counts too: the others may be waiting for it."""
+    if age_s is not None and age_s > timeout_s:
+        return f"sent no heartbeat for {age_s:.1f}s"
+    if not stopped(lw.worker.proc.pid):
+        lw.stopped_since = None
+        return None
+    lw.stopped_since = lw.stopped_since if lw.stopped_since is not None else mono
+    if mono - lw.stopped_since >= STOPPED_GRACE_S:
+        return f"stopped by a signal for {mono - lw.stopped_since:.1f}s"
+    return None
 
 
 def _in_loop(slots: dict[int, LiveWorker], now_wall: float) -> bool:
@@ -306,11 +328,8 @@ class LiveRunner(LoopProgress):
             reap(lw.worker)
             del self.slots[slot]
             log.warning(
-                "worker %s failed (%s): %s",  # (the agent says whether it is replaced)
-                cause.worker_id,
-                cause.describe(),
-                cause.message,
-            )
+                "worker %s failed (%s): %s", cause.worker_id, cause.describe(), cause.message
+            )  # fmt: skip  (the agent says whether it is replaced)
             failures.append(cause)
             dead.append(slot)
         epoch = self.epochs.current() if failures else None
@@ -327,21 +346,22 @@ class LiveRunner(LoopProgress):
             return LiveFinished()
         if self.round is not None:
             self.epochs.publish(self.round, self._included())
+        self.groups.reap_dying()
         if failures:
             self._failures = []
             return LiveFailed(tuple(failures), epoch.number if epoch is not None else 0)
         return None
 
     def _watch(self, lw: LiveWorker, now_wall: float) -> None:
-        """A running worker: admit it once it reaches the loop; kill it when its heartbeat
-        is older than the heartbeat timeout (a frozen worker)."""
-        age = heartbeat_age(lw.heartbeat, now_wall)
-        if age is None:
-            return  # not in the loop yet, or done with it: nothing to watch
-        lw.included = self.saw_loop(self.clock.monotonic())
-        if age > self.config.rendezvous.heartbeat_timeout_s:
-            log.warning("worker %s sent no heartbeat for %.1fs: killing it", lw.worker_id, age)
-            self.events.emit("hang_detected", worker_id=lw.worker_id, silent_s=round(age, 2))
+        """Admit a running worker once it reaches the loop; kill it when it is frozen."""
+        age, mono = heartbeat_age(lw.heartbeat, now_wall), self.clock.monotonic()
+        if age is not None:  # (None: not in the loop yet, or done with it)
+            lw.included = self.saw_loop(mono)
+        why = _frozen(lw, age, mono, self.config.rendezvous.heartbeat_timeout_s)
+        if why is not None:
+            log.warning("worker %s %s: killing it", lw.worker_id, why)
+            hung = {"worker_id": lw.worker_id, "silent_s": round(age or 0.0, 2), "why": why}
+            self.events.emit("hang_detected", **hung)
             kill_session(lw.worker.proc.pid)
 
     def _state_lost(self, current: EpochRecord | None) -> int | None:
@@ -373,8 +393,7 @@ class LiveRunner(LoopProgress):
             lw.included = True
 
     def tend(self) -> None:
-        """Refill the warm pool once every worker of this node has reached the loop (a
-        spare importing torch earlier would slow their start)."""
+        """Refill the warm pool once every worker here is in the loop (not to slow them)."""
         if self.pool is not None and self.slots and _in_loop(self.slots, self.clock.wall()):
             self.pool.fill()
 
@@ -406,6 +425,7 @@ class LiveRunner(LoopProgress):
             for t in lw.tees:
                 t.join(timeout=2)
         self._tee_done = threading.Event()
+        self.groups.reap_dying(wait_s=MATE_EXIT_WAIT_S)
         self.outputs.end()  # (after the workers' drains, reaped above)
         self.slots.clear()
         self._failures, self._dead = [], []

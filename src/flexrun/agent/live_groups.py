@@ -23,7 +23,7 @@ from flexrun.events import EventLog
 from flexrun.proc import kill_session, reap
 
 MATE_EXIT_WAIT_S = 5.0
-"""How long a killed group-mate may take to be reaped (SIGKILL: milliseconds)."""
+"""How long a killed group-mate may take to exit when the runner stops (SIGKILL: ms)."""
 
 
 class ReplicaGroups:
@@ -35,6 +35,7 @@ class ReplicaGroups:
         self.shards = shards
         self._ids: dict[int, str] = {}
         self._seq = 0
+        self._dying: list[Any] = []  # (killed group-mates, not yet reaped)
 
     @property
     def sharded(self) -> bool:
@@ -102,12 +103,10 @@ class ReplicaGroups:
                 kept.append(next((c for c in group if c.signal), group[0]))
             mates = [s for s in self.slots(b) if s not in dead and s in workers]
             for s in mates:
+                # (killed, not waited for: their group's next workers start at once)
                 lw = workers.pop(s)
-                if lw.worker.proc.poll() is None:
-                    kill_session(lw.worker.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    lw.worker.proc.wait(timeout=MATE_EXIT_WAIT_S)
-                reap(lw.worker)
+                kill_session(lw.worker.proc.pid, signal.SIGKILL)
+                self._dying.append(lw.worker)
                 dead.append(s)
             events.emit(
                 "live_group_dropped",
@@ -118,6 +117,19 @@ class ReplicaGroups:
             )
         failures[:] = kept
         self.renew(blocks)
+
+    def reap_dying(self, wait_s: float = 0.0) -> None:
+        """Reap the killed group-mates that have exited (waiting up to ``wait_s`` each)."""
+        left = []
+        for w in self._dying:
+            if wait_s:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.proc.wait(timeout=wait_s)
+            if w.proc.poll() is None:
+                left.append(w)
+            else:
+                reap(w)
+        self._dying = left
 
 
 __all__ = ["MATE_EXIT_WAIT_S", "ReplicaGroups"]

@@ -17,6 +17,7 @@ from flexrun.proc.spawn import (
     reap,
     spawn,
     spawn_worker,
+    stopped,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "spawn",
     "spawn_worker",
     "start_tees",
+    "stopped",
 ]

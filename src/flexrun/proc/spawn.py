@@ -249,6 +249,18 @@ def kill_session(pid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pid, sig)
 
 
+def stopped(pid: int) -> bool:
+    """``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: state ``T`` in ``/proc/<pid>/stat``;
+    not ``t``, a debugger's tracing stop). False when it cannot be read (gone, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    # (the state follows the command name, which is in parentheses and may hold any byte)
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"T"
+
+
 def reap(w: Worker) -> None:
     """SIGKILL ``w``'s session if it still runs, wait for it, close its files."""
     if w.proc.poll() is None:

@@ -224,65 +224,102 @@ class Shards:
         error: str | None = None,
     ) -> int:
         """Every replica of this shard takes ``source``'s (a position in the replicate
-        group): the model's and the optimizer's local shards; returns the committed step
-        that goes with them.
+        group): the model's and the optimizer's local shards, as raw bytes in one buffer
+        beside a small description of them; returns the committed step that goes with
+        them.
 
         Raises:
-            CheckpointError: on every replica, with the source's ``error`` message.
+            CheckpointError: on every replica, with the source's ``error`` message, or on
+                a replica whose model does not match the description.
         """
-        size = torch.zeros(1, dtype=torch.int64)
-        payload = torch.empty(0, dtype=torch.uint8)
+        head = torch.zeros(2, dtype=torch.int64)  # (description bytes, <0: an error; data)
+        meta = data = torch.empty(0, dtype=torch.uint8)
         if self.position == source:
-            blob = error.encode()[:4096] if error is not None else self._pack(step)
-            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            size[0] = -payload.numel() if error is not None else payload.numel()
-        wait(self.pg.broadcast(size, source))
-        n = int(size.item())
+            if error is not None:
+                meta = torch.frombuffer(bytearray(error.encode()[:4096]), dtype=torch.uint8)
+                head[0] = -meta.numel()
+            else:
+                meta, data = self._pack(step)
+                head[0], head[1] = meta.numel(), data.numel()
+        wait(self.pg.broadcast(head, source))
         if self.position != source:
-            payload = torch.empty(abs(n), dtype=torch.uint8)
-        wait(self.pg.broadcast(payload, source))
-        if n < 0:
+            meta = torch.empty(abs(int(head[0])), dtype=torch.uint8)
+            data = torch.empty(int(head[1]), dtype=torch.uint8)
+        wait(self.pg.broadcast(meta, source))
+        if int(head[0]) < 0:
             raise CheckpointError(
                 f"live recovery impossible (shard {self.env.shard}, replica {source}): "
-                + payload.numpy().tobytes().decode(errors="replace")
+                + meta.numpy().tobytes().decode(errors="replace")
             )
+        if data.numel():
+            wait(self.pg.broadcast(data, source))
         if self.position == source:
             return step
-        return self._unpack(payload.numpy().tobytes())
+        return self._unpack(meta, data)
 
-    def _pack(self, step: int) -> bytes:
+    def _pack(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(description, data): every local tensor's bytes in ``data`` (each at an offset
+        that is a multiple of 8, so that any dtype can be viewed there again)."""
+        pieces: list[torch.Tensor] = []
+        offset = 0
+
+        def place(t: Any) -> tuple[int, str, list[int]]:
+            nonlocal offset
+            loc = local(t).detach().contiguous()
+            raw = loc.reshape(-1).view(torch.uint8)
+            at, offset = offset, offset + -(-raw.numel() // 8) * 8
+            pieces.extend([raw, torch.zeros(offset - at - raw.numel(), dtype=torch.uint8)])
+            return at, str(loc.dtype).removeprefix("torch."), list(loc.shape)
+
         osd = self.optimizer.state_dict()
-        state = {
-            i: {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-            for i, s in osd["state"].items()
+        desc = {
+            "model": {k: place(v) for k, v in self.model.state_dict().items()},
+            "state": {
+                i: {
+                    k: ("t", place(v)) if isinstance(v, torch.Tensor) else ("v", v)
+                    for k, v in st.items()
+                }
+                for i, st in osd["state"].items()
+            },  # fmt: skip
+            "groups": osd["param_groups"],
+            "step": step,
         }
-        model = {k: local(v) for k, v in self.model.state_dict().items()}
         buf = io.BytesIO()
-        torch.save(
-            {"model": model, "state": state, "groups": osd["param_groups"], "step": step}, buf
-        )
-        return buf.getvalue()
+        torch.save(desc, buf)
+        meta = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return meta, (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8))
 
-    def _unpack(self, blob: bytes) -> int:
-        got = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    def _unpack(self, meta: torch.Tensor, data: torch.Tensor) -> int:
+        desc = torch.load(io.BytesIO(meta.numpy().tobytes()), weights_only=True)
+
+        def view(spec: Any) -> torch.Tensor:
+            at, dtype, shape = spec
+            kind = getattr(torch, str(dtype), None)
+            if not isinstance(kind, torch.dtype):
+                raise CheckpointError(f"live transfer: unknown dtype {dtype!r}")
+            n = math.prod(shape) * torch.empty(0, dtype=kind).element_size()
+            if at < 0 or at + n > data.numel():
+                raise CheckpointError("live transfer: a tensor lies outside the data sent")
+            return data[at : at + n].view(kind).reshape(shape)
+
         mine = self.model.state_dict()
-        if set(mine) != set(got["model"]):
+        if set(mine) != set(desc["model"]):
             raise CheckpointError("live transfer: the replicas' models differ in their keys")
         with torch.no_grad():
             for k, v in mine.items():
-                dst = local(v)
-                if dst.shape != got["model"][k].shape:
-                    raise CheckpointError(f"live transfer: {k} has another shard shape")
-                dst.copy_(got["model"][k])
-        state = {}
-        for i, s in got["state"].items():
+                got, dst = view(desc["model"][k]), local(v)
+                if dst.shape != got.shape or dst.dtype != got.dtype:
+                    raise CheckpointError(f"live transfer: {k} has another shard shape or dtype")
+                dst.copy_(got)
+        state: dict[Any, dict[str, Any]] = {}
+        for i, st in desc["state"].items():
             p = self.params[int(i)]
-            state[i] = {
-                k: _like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                for k, v in s.items()
-            }
-        self.optimizer.load_state_dict({"state": state, "param_groups": got["groups"]})
-        return int(got["step"])
+            state[i] = {}
+            for k, (kind, v) in st.items():
+                t = view(v).clone() if kind == "t" else v
+                state[i][k] = _like(p, t) if kind == "t" and t.dim() > 0 else t
+        self.optimizer.load_state_dict({"state": state, "param_groups": desc["groups"]})
+        return int(desc["step"])
 
 
 def _like(param: Any, t: torch.Tensor) -> Any:

@@ -78,7 +78,7 @@ def test_a_dead_shard_takes_its_group_out_and_a_new_group_replaces_it(tmp_path: 
     ev = runner.poll()
 
     assert isinstance(ev, p.LiveFailed) and [c.worker_id for c in ev.causes] == ["n1.w4"]
-    assert mate.proc.poll() is not None, "the dead worker's group-mate still runs"
+    assert mate not in [lw.worker for lw in runner.slots.values()], "the group-mate stayed"
     assert [runner.slots[s].worker for s in (0, 1)] == keep, "the healthy group was touched"
     assert len(pool.taken) == 6
     new = [_env(pool, k) for k in (4, 5)]
@@ -91,6 +91,7 @@ def test_a_dead_shard_takes_its_group_out_and_a_new_group_replaces_it(tmp_path: 
     dropped = [e for e in events_of(run_dir) if e["event"] == "live_group_dropped"]
     assert len(dropped) == 1 and dropped[0]["killed"] == [2] and dropped[0]["cause"] == ["n1.w4"]
     runner.close()
+    assert mate.proc.poll() is not None, "the killed group-mate was never reaped"
 
 
 @pytest.mark.timeout(20)
