@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", default="", help="JSON lines, one per rank and step body")
     p.add_argument("--commits", default="", help="JSON lines, one per rank and committed step")
     p.add_argument("--out", default="", help="directory for each rank's final shard")
+    p.add_argument("--ckpt-dir", default="", help="durable checkpoints (DCP), for losing all")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: never)")
     return p.parse_args(argv)
 
 
@@ -81,7 +83,16 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(1024, a.dim, generator=g)
     data = TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(1024, 1, generator=g))
 
-    loop = LiveLoop(model, opt, data, global_batch=a.global_batch, steps=a.steps, seed=3)  # (2)
+    loop = LiveLoop(
+        model,
+        opt,
+        data,
+        global_batch=a.global_batch,
+        steps=a.steps,
+        seed=3,
+        checkpoint_dir=a.ckpt_dir or None,
+        checkpoint_every=a.ckpt_every,
+    )  # (2)
     done = None  # (the row of the step whose commit the next iteration confirms)
     for step in loop:
         if done is not None and done["step"] < step.number:

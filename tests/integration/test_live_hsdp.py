@@ -32,14 +32,16 @@ STEPS = 160
 BATCH, DATA = 32, 1024
 
 
-def start(procs: Procs, name: str, *extra: str) -> tuple[object, Path]:
+def start(
+    procs: Procs, name: str, *extra: str, script: tuple[str, ...] = ()
+) -> tuple[object, Path]:
     run = procs.tmp / name
     run.mkdir()
     agent = procs.start(
         ["run", "--standalone", "--nproc-per-node", "4", "--mode", "live", "--live-shards",
          "2", "--max-restarts", "5", "--rdzv-conf", HB, "--run-dir", str(run / "run"), *extra,
          str(EXAMPLE), "--steps", str(STEPS), "--step-time", "0.05", "--global-batch",
-         str(BATCH), "--progress", str(run / "p.jsonl"), "--out", str(run / "out")],
+         str(BATCH), "--progress", str(run / "p.jsonl"), "--out", str(run / "out"), *script],
         name=name,
     )  # fmt: skip
     return agent, run
@@ -136,3 +138,37 @@ def test_a_replacement_lost_during_the_recovery_is_replaced_again_and_nothing_to
     for i in (0, 1):
         assert len(got[i]) == 2, got.keys()
         assert all(same_state(reference[i][0], r) for r in got[i]), f"shard {i} differs"
+
+
+@pytest.mark.timeout(420)
+def test_every_group_lost_resumes_from_the_durable_sharded_checkpoint_bitwise(
+    procs: Procs, reference: dict[int, list[dict]]
+) -> None:
+    """No group holds the state: the replacements restore the newest durable checkpoint
+    (the first group's shards, DCP through flexrun's commit) and the run ends bitwise equal."""
+    ckpt = procs.tmp / "ckpt"
+    agent, run = start(
+        procs, "all", "--warm-spares", "4", script=("--ckpt-dir", str(ckpt), "--ckpt-every", "10")
+    )
+    wait_for(lambda: len(durable(ckpt)) >= 2, 120, "two durable checkpoints")
+    wait_for(lambda: len(list(run.rglob("spare-*.ready"))) >= 4, 90, "four warm spares")
+    pids = [r["pid"] for r in step_rows(run) if r["epoch"] == 1][:4]
+    for pid in set(pids):
+        os.kill(pid, signal.SIGKILL)
+    t_kill = time.time()
+    at_kill = durable(ckpt)[-1]
+    assert at_kill < STEPS - 20, "killed too late to test"
+    assert procs.wait(agent, 300) == 0, procs.stderr("all")[-3000:]  # type: ignore[arg-type]
+
+    fb = [e for e in read_events(run / "run") if e["event"] == "live_fallback"]
+    assert fb and fb[0]["source"] == "durable checkpoint" and fb[0]["step"] == at_kill, fb
+    after = [r for r in step_rows(run) if r["ts"] > t_kill]
+    assert not {r["pid"] for r in after} & set(pids), "a killed worker trained again"
+    assert min(r["step"] for r in after) == at_kill, "did not resume at the checkpoint"
+    got = read_shards(run / "out")
+    for i in (0, 1):
+        assert len(got[i]) == 2 and all(same_state(reference[i][0], r) for r in got[i]), i
+
+
+def durable(ckpt: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit())

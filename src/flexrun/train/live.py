@@ -201,11 +201,6 @@ class LiveLoop:
         self._params = [p for p in model.parameters()]
         self.shards = Shards(self.env, model, optimizer) if self.env.shards > 1 else None
         """The replica-group side of a sharded model (``flexrun.train.live_shards``)."""
-        if self.shards is not None and checkpoint_dir:
-            raise ConfigError(
-                "checkpoint_dir: durable checkpoints of a sharded live job are not implemented; "
-                "its state lives in its replica groups (a lost group takes a healthy one's)"
-            )
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
         self.group = EpochGroup(self.env, timeout_s=timeout_s, environ=env_vars, events=self.events)
@@ -325,7 +320,8 @@ class LiveLoop:
         self.committed += 1
         self.has_state = True
         self._flags = (float(flags[-2]), float(flags[-1]))
-        if self.checkpoint_every and self.committed % self.checkpoint_every == 0 and self.rank == 0:
+        every = self.checkpoint_every
+        if every and self.committed % every == 0 and self.durable.saver:
             self.durable.save(self.committed)
         if self._flags[0] > 0 and not self._flags[1] > 0:
             self._rejoin(reason="membership change at a step boundary")
@@ -337,7 +333,7 @@ class LiveLoop:
         if not flags[1] > 0:
             return False
         if int(flags[1]) >= self.world_size:
-            if self.rank == 0 and self.checkpoint_dir:
+            if self.durable.saver and self.checkpoint_dir:
                 self.durable.save(self.committed, blocking=True)
             self.events.emit("preempted", step=self.committed, rank=self.rank)
             self._retire()
@@ -381,6 +377,7 @@ class LiveLoop:
         else:
             plan = plan_recovery(reports, formed=self.group.formed_before())
         self.rank, self.world_size = self.group.form(rec)
+        self.durable.saver = self.rank in layout.groups[0] if sh is not None else self.rank == 0
         if sh is not None:
             # (shard i of every group: this shard's gradient sum and state transfer)
             replicas = layout.replicas(self.env.shard)

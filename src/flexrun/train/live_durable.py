@@ -38,6 +38,10 @@ class LiveDurability:
         self.env = env
         self.events = events
         self._ckpt: Any = None
+        self.saver = True
+        """This worker takes part in the saves: the epoch's rank 0 (whole-model replicas)
+        or a member of its first replica group (a sharded model: a collective save of the
+        group's shards)."""
 
     def checkpointer(self) -> Any:
         """The Checkpointer (built on first use).
@@ -48,17 +52,32 @@ class LiveDurability:
         if self._ckpt is None:
             if not self.checkpoint_dir:
                 raise CheckpointError("checkpoint_dir is not set")
-            from flexrun.train.checkpoint import Checkpointer
             from flexrun.train.context import single_process_context
 
             ctx = single_process_context(run_dir=self.env.run_dir, round=self.env.round)
-            self._ckpt = Checkpointer(self.checkpoint_dir, ctx=ctx, save_rng=False)
+            if self.env.shards > 1:
+                # A replica group's shards, saved and loaded collectively over its own
+                # (the process's default) group, through DCP with flexrun's commit.
+                from dataclasses import replace
+
+                from flexrun.train.sharded import ShardedCheckpointer
+
+                ctx = replace(ctx, rank=self.env.shard, world_size=self.env.shards,
+                              run_id=self.env.run_id, backend="gloo")  # fmt: skip
+                self._ckpt = ShardedCheckpointer(self.checkpoint_dir, ctx=ctx, save_rng=False)
+            else:
+                from flexrun.train.checkpoint import Checkpointer
+
+                self._ckpt = Checkpointer(self.checkpoint_dir, ctx=ctx, save_rng=False)
             self._ckpt.register("model", self.model)
             self._ckpt.register("optim", self.optimizer)
         return self._ckpt
 
     def save(self, step: int, *, blocking: bool = False) -> None:
-        self.checkpointer().save(step, extra={"step": step}, blocking=blocking)
+        if self.env.shards > 1:
+            self.checkpointer().save(step, extra={"step": step}, asynchronous=not blocking)
+        else:
+            self.checkpointer().save(step, extra={"step": step}, blocking=blocking)
 
     def restore(self, epoch: int, fallback: str | None, *, has_state: bool) -> int:
         """Restore the newest durable checkpoint into this (source) member, as restart mode
