@@ -30,7 +30,6 @@ One line per trial and the summary line::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -57,18 +56,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hsdp-timeout", type=float, default=600.0, help="per run (s)")
 
 
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # (a line being written)
-    return out
-
-
 def _model_args(a: argparse.Namespace, d: Path) -> list[str]:
     return ["--steps", str(a.hsdp_steps), "--dim", str(a.hsdp_dim), "--blocks",
             str(a.hsdp_blocks), "--global-batch", "32", "--progress", str(d / "p.jsonl")]  # fmt: skip
@@ -88,7 +75,12 @@ def _torchrun_cmd(a: argparse.Namespace, d: Path) -> list[str]:
 
 
 def _trial(
-    kind: str, a: argparse.Namespace, d: Path, procs: Any, poll: Callable[..., object]
+    kind: str,
+    a: argparse.Namespace,
+    d: Path,
+    procs: Any,
+    poll: Callable[..., object],
+    _rows: Callable[[Path], list[dict]],
 ) -> dict[str, Any]:
     """One run of ``kind`` (live, torchrun, reference); what the summary line needs."""
     d.mkdir(parents=True)
@@ -157,7 +149,12 @@ def _trial(
 
 
 def bench_hsdp(
-    a: argparse.Namespace, base: Path, lines: list[str], procs_cls: Any, poll: Callable[..., object]
+    a: argparse.Namespace,
+    base: Path,
+    lines: list[str],
+    procs_cls: Any,
+    poll: Callable[..., object],
+    read_progress: Callable[[Path], list[dict]],
 ) -> int:
     print(f"\n## HSDP: kill -9 of a shard worker, 2 groups x 2 shards, {a.hsdp_trials} trial(s)",
           flush=True)  # fmt: skip
@@ -170,7 +167,7 @@ def bench_hsdp(
             d = base / f"hsdp{i}-{kind}"
             procs = procs_cls(d.parent)
             try:
-                res[kind] = _trial(kind, a, d, procs, poll)
+                res[kind] = _trial(kind, a, d, procs, poll, read_progress)
             finally:
                 left = procs.kill_all()
             if left:

@@ -1036,7 +1036,7 @@ def main() -> int:
         if not a.skip_scaleup:
             rc |= bench_scaleup(a, base, lines)
         if a.hsdp:
-            rc |= bench_hsdp.bench_hsdp(a, base, lines, Procs, poll)
+            rc |= bench_hsdp.bench_hsdp(a, base, lines, Procs, poll, read_progress)
         print("\n" + "=" * 96)
         print("\n".join(lines))
         print(f"\ntotal wall time {time.monotonic() - t_all:.0f}s")

@@ -18,23 +18,24 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 _EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_live_hsdp.py"
 
 
-def _build_model(dim: int, blocks: int) -> torch.nn.Module:
+def _example() -> Any:
+    """examples/train_live_hsdp.py as a module (its model, optimizer and data)."""
     spec = importlib.util.spec_from_file_location("train_live_hsdp", _EXAMPLE)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.build(dim, blocks)
+    return mod
 
 
 def main() -> None:
@@ -54,15 +55,9 @@ def main() -> None:
     mesh = init_device_mesh(
         "cpu", (world // a.shards, a.shards), mesh_dim_names=("replicate", "shard")
     )
-    model = _build_model(a.dim, a.blocks)
-    for block in list(model)[:-1]:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    g = torch.Generator().manual_seed(42)
-    x = torch.randn(1024, a.dim, generator=g)
-    y = x[:, :1].sin() + 0.1 * torch.randn(1024, 1, generator=g)
+    example = _example()
+    model, opt = example.sharded(a.dim, a.blocks, mesh)  # (on the 2-D mesh: HSDP)
+    x, y = example.samples(a.dim)
 
     root = Path(a.ckpt_dir)
     done = sorted(int(d.name.split("-")[1]) for d in root.glob("step-*") if (d / "done").exists())

@@ -54,6 +54,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def sharded(dim: int, blocks: int, mesh: object) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model, each block and the whole sharded on ``mesh``, and its optimizer."""
+    model = build(dim, blocks)
+    for block in list(model)[:-1]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def samples(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data set: 1024 seeded inputs and their targets."""
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(1024, dim, generator=g)
+    return x, x[:, :1].sin() + 0.1 * torch.randn(1024, 1, generator=g)
+
+
 def build(dim: int, blocks: int) -> torch.nn.Module:
     torch.manual_seed(0)
     layers = [
@@ -73,15 +89,8 @@ def _log(path: str, row: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     mesh = shard_mesh("cpu")  # (1) this worker's replica group
-    model = build(a.dim, a.blocks)
-    for block in list(model)[:-1]:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    g = torch.Generator().manual_seed(42)
-    x = torch.randn(1024, a.dim, generator=g)
-    data = TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(1024, 1, generator=g))
+    model, opt = sharded(a.dim, a.blocks, mesh)
+    data = TensorDataset(*samples(a.dim))
 
     loop = LiveLoop(
         model,
