@@ -10,41 +10,20 @@ import json
 from pathlib import Path
 
 import pytest
-from test_runners import FakePool, events_of, rnd
+from test_runners import FakePool, events_of, live_runner, rnd
 
 from flexrun.agent import policy as p
 from flexrun.agent.live import LiveRunner
 from flexrun.agent.live_groups import ReplicaGroups
 from flexrun.config import RendezvousSettings
 from flexrun.errors import ConfigError
-from flexrun.events import EventLog
 from flexrun.live_protocol import EpochRecord, LiveKeys, mark_state, touch_heartbeat
 from flexrun.testing import MemoryStore
 from flexrun.testing.config import run_config
 
 
 def sharded_runner(tmp_path: Path, pool: FakePool) -> tuple[LiveRunner, MemoryStore, Path]:
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
-    c = run_config(
-        entrypoint=str(script),
-        run_dir=tmp_path / "run",
-        run_id="job",
-        nproc_per_node=4,
-        mode="live",
-        live_shards=2,
-        rendezvous=RendezvousSettings(max_restarts=3, heartbeat_timeout_s=5.0),
-    )
-    store = MemoryStore()
-    runner = LiveRunner(
-        c,
-        node_id="n1",
-        store=store,
-        store_addr=("127.0.0.1", 1),
-        events=EventLog(c.output.run_dir, run_id="job", node="n1"),
-        pool=pool,  # type: ignore[arg-type]
-    )
-    return runner, store, c.output.run_dir
+    return live_runner(tmp_path, pool, mode="live", live_shards=2, nproc_per_node=4)
 
 
 def _env(pool: FakePool, k: int) -> dict[str, str]:

@@ -96,14 +96,14 @@ class FakePool:
 def config(tmp_path: Path, **kw: object) -> RunConfig:
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    return run_config(
-        entrypoint=str(script),
-        run_dir=tmp_path / "run",
-        run_id="job",
-        nproc_per_node=2,
-        rendezvous=RendezvousSettings(max_restarts=3, heartbeat_timeout_s=5.0),
-        **kw,
-    )
+    flat: dict[str, object] = {
+        "entrypoint": str(script),
+        "run_dir": tmp_path / "run",
+        "run_id": "job",
+        "nproc_per_node": 2,
+        "rendezvous": RendezvousSettings(max_restarts=3, heartbeat_timeout_s=5.0),
+    }
+    return run_config(**{**flat, **kw})
 
 
 def rnd(number: int, *nodes: tuple[str, int]) -> RoundRecord:
@@ -218,8 +218,10 @@ def test_restart_runner_refills_its_pool_after_warm_starts_at_once(tmp_path: Pat
 
 
 # -- live mode ------------------------------------------------------------------------------
-def live_runner(tmp_path: Path, pool: FakePool) -> tuple[LiveRunner, MemoryStore, Path]:
-    c = config(tmp_path)
+def live_runner(
+    tmp_path: Path, pool: FakePool, **kw: object
+) -> tuple[LiveRunner, MemoryStore, Path]:
+    c = config(tmp_path, **kw)
     store = MemoryStore()
     runner = LiveRunner(
         c,
