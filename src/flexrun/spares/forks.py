@@ -26,6 +26,7 @@ input: the zygote exits (its idle children with it).
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -180,6 +181,11 @@ def serve_forks(prepare: Prepare | None = None) -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     zygote = Zygote(conn, root)
+    # Everything imported so far (torch and the rest) lives as long as any spare: move it out
+    # of the collector's reach. A child's collections and its exit then no longer walk (and
+    # so copy) the pages it shares with this zygote: 0.75 -> 0.3 s of CPU per forked worker's
+    # normal exit with torch imported.
+    gc.freeze()
     announce_ready(os.environ.pop(READY_ENV, None))
     try:
         zygote.serve()
