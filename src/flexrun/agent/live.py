@@ -72,11 +72,14 @@ class LiveWorker:
     tees: list[Tee] = field(default_factory=list)
     stopped_since: float | None = None
     """When the agent first saw it stopped by a signal (monotonic; None: running)."""
+    stopped_mark: int | None = None
+    """Its scheduling count then: a stop that lasts leaves it unchanged."""
 
 
 STOPPED_GRACE_S = 0.3
-"""A live worker stopped by a signal (SIGSTOP) this long is frozen: it cannot heart-beat,
-and the others' collectives wait on it. (A brief stop and continue is let be.)"""
+"""A live worker stopped by a signal (SIGSTOP) this long without running in between is
+frozen: it cannot heart-beat, and the others' collectives wait on it. (Brief stops, or a
+stop and continue duty cycle that slows a worker, are let be.)"""
 
 
 def _frozen(lw: LiveWorker, age_s: float | None, mono: float, timeout_s: float) -> str | None:
@@ -84,11 +87,11 @@ def _frozen(lw: LiveWorker, age_s: float | None, mono: float, timeout_s: float) 
     stopped before it reaches the loop counts too: the others may be waiting for it."""
     if age_s is not None and age_s > timeout_s:
         return f"sent no heartbeat for {age_s:.1f}s"
-    if not stopped(lw.worker.proc.pid):
-        lw.stopped_since = None
+    mark = stopped(lw.worker.proc.pid)
+    if mark is None or mark != lw.stopped_mark:  # (running, or it ran since: a new stop)
+        lw.stopped_since, lw.stopped_mark = (None if mark is None else mono), mark
         return None
-    lw.stopped_since = lw.stopped_since if lw.stopped_since is not None else mono
-    if mono - lw.stopped_since >= STOPPED_GRACE_S:
+    if lw.stopped_since is not None and mono - lw.stopped_since >= STOPPED_GRACE_S:
         return f"stopped by a signal for {mono - lw.stopped_since:.1f}s"
     return None
 

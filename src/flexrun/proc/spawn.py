@@ -249,16 +249,22 @@ def kill_session(pid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pid, sig)
 
 
-def stopped(pid: int) -> bool:
-    """``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: state ``T`` in ``/proc/<pid>/stat``;
-    not ``t``, a debugger's tracing stop). False when it cannot be read (gone, no /proc)."""
+def stopped(pid: int) -> int | None:
+    """If ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: state ``T`` in ``/proc/<pid>/stat``;
+    not ``t``, a debugger's tracing stop), how many times its main thread has been scheduled
+    (``/proc/<pid>/schedstat``): a caller that sees the same count again knows the process did
+    not run in between (a stop and continue cycle wakes it); else None (running, gone, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
+        with open(f"/proc/{pid}/schedstat", "rb") as fh:
+            sched = fh.read().split()
     except OSError:
-        return False
+        return None
     # (the state follows the command name, which is in parentheses and may hold any byte)
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"T"
+    if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"T" or len(sched) < 3:
+        return None
+    return int(sched[2])
 
 
 def reap(w: Worker) -> None:

@@ -27,16 +27,25 @@ def test_a_sigstopped_process_is_stopped_until_it_continues() -> None:
     code = "import setproctitle, time; setproctitle.setthreadtitle('a) T b'); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        assert _until(lambda: not stopped(proc.pid) and proc.poll() is None)
+        assert _until(lambda: stopped(proc.pid) is None and proc.poll() is None)
         proc.send_signal(signal.SIGSTOP)
-        assert _until(lambda: stopped(proc.pid)), "SIGSTOP not seen"
+        assert _until(lambda: stopped(proc.pid) is not None), "SIGSTOP not seen"
+        mark = stopped(proc.pid)
+        time.sleep(0.2)
+        assert stopped(proc.pid) == mark, "a lasting stop changed its mark"
+        # A continue and a stop between two looks: stopped again, but it ran in between.
         proc.send_signal(signal.SIGCONT)
-        assert _until(lambda: not stopped(proc.pid)), "SIGCONT not seen"
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGSTOP)
+        assert _until(lambda: stopped(proc.pid) is not None)
+        assert stopped(proc.pid) != mark, "a stop-continue-stop looked like one long stop"
+        proc.send_signal(signal.SIGCONT)
+        assert _until(lambda: stopped(proc.pid) is None), "SIGCONT not seen"
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    assert not stopped(proc.pid)  # (gone: not stopped)
+    assert stopped(proc.pid) is None  # (gone: not stopped)
 
 
 def test_a_pid_that_does_not_exist_is_not_stopped() -> None:
-    assert not stopped(4_000_000)
+    assert stopped(4_000_000) is None
