@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
-from test_runners import FakePool, events_of, live_runner, rnd
+from test_runners import FakePool, epoch, events_of, live_runner, rnd
 
 from flexrun.agent import policy as p
 from flexrun.agent.live import LiveRunner
 from flexrun.agent.live_groups import ReplicaGroups
 from flexrun.config import RendezvousSettings
 from flexrun.errors import ConfigError
-from flexrun.live_protocol import EpochRecord, LiveKeys, mark_state, touch_heartbeat
+from flexrun.live_protocol import LiveKeys, mark_state, touch_heartbeat
 from flexrun.testing import MemoryStore
 from flexrun.testing.config import run_config
 
@@ -28,12 +28,6 @@ def sharded_runner(tmp_path: Path, pool: FakePool) -> tuple[LiveRunner, MemorySt
 
 def _env(pool: FakePool, k: int) -> dict[str, str]:
     return json.loads(pool.taken[k].proc.stdin.sent)["env"]  # type: ignore[union-attr]
-
-
-def _epoch(store: MemoryStore) -> EpochRecord:
-    entry = store.get(LiveKeys("job").epoch)
-    assert entry is not None
-    return EpochRecord.decode(entry.value)
 
 
 @pytest.mark.timeout(20)
@@ -64,7 +58,7 @@ def test_a_dead_shard_takes_its_group_out_and_a_new_group_replaces_it(tmp_path: 
     assert {e["FLEXRUN_LIVE_GROUP"] for e in new} == {new[0]["FLEXRUN_LIVE_GROUP"]}
     assert new[0]["FLEXRUN_LIVE_GROUP"] not in {g for g, _ in groups}
     assert sorted(e["FLEXRUN_LIVE_SHARD"] for e in new) == ["0", "1"]
-    rec = _epoch(store)
+    rec = epoch(store)
     assert rec.number == 2 and rec.abort and len(rec.members) == 4
     assert not {"n1.w3", "n1.w4"} & set(rec.members)
     dropped = [e for e in events_of(run_dir) if e["event"] == "live_group_dropped"]
