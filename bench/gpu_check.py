@@ -136,10 +136,24 @@ def _append(path: str, row: dict[str, Any]) -> None:
 # -- worker: restart mode (plain torchrun-style script on the device) ------------------------
 
 
-def restart_worker(a: argparse.Namespace) -> None:
-    import psutil
+def _created_at() -> float:
+    """When this process was created, on ``time.time()``'s clock.
 
-    created = psutil.Process().create_time()
+    Not ``psutil.Process().create_time()``: that adds the start tick to /proc/stat's boot
+    time, which is whole seconds, so it can be up to a second early (0.6 s on one machine
+    here), and a process started after a kill looked older than the kill. The start tick's
+    age against /proc/uptime (centiseconds) puts it on the wall clock to about 10 ms.
+    """
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    start_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    with open("/proc/uptime") as f:
+        uptime_s = float(f.read().split()[0])
+    return time.time() - (uptime_s - start_s)
+
+
+def restart_worker(a: argparse.Namespace) -> None:
+    created = _created_at()
     import torch
 
     t_torch = time.time()
