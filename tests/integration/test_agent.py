@@ -22,9 +22,11 @@ from support import (
 )
 
 
-def _worker_pids(agent_pid: int, n: int, timeout: float = 60) -> list[int]:
+def _worker_pids(
+    agent_pid: int, n: int, timeout: float = 60, script: str = "ddp_steps.py"
+) -> list[int]:
     def find() -> list[int] | None:
-        kids = [p for p in descendants(agent_pid) if "ddp_steps.py" in " ".join(p.cmdline())]
+        kids = [p for p in descendants(agent_pid) if script in " ".join(p.cmdline())]
         return [p.pid for p in kids] if len(kids) >= n else None
 
     return wait_for(find, timeout, f"{n} workers")  # type: ignore[return-value]
@@ -57,6 +59,13 @@ def test_unmodified_torchrun_script_trains_to_completion(procs: Procs) -> None:
     assert {r["world"] for r in rows} == {2}
     events = {e["event"] for e in read_events(procs.tmp / "run")}
     assert {"rendezvous_completed", "worker_started", "worker_exited", "job_finished"} <= events
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # (it ended since it was listed)
+        return ""
 
 
 def _parent(pid: int) -> psutil.Process:
@@ -107,6 +116,32 @@ def test_first_workers_come_from_the_warm_pool_unless_stdin_could_carry_somethin
         if agent.stdin is not None:
             agent.stdin.close()
         assert agent.wait(timeout=120) == 0, procs.stderr(how)[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_script_of_the_standard_library_only_starts_cold_and_gets_no_pool(
+    procs: Procs,
+) -> None:
+    """Restart mode, one node, stdin /dev/null, default flags: a script that imports only
+    the standard library starts its workers cold, children of the agent, and no zygote runs
+    (its ``import torch`` would serve none of them), not even after the pool's delay."""
+    script = procs.tmp / "stdlib_only.py"
+    script.write_text("import os, sys, time\nprint(os.environ['RANK'])\ntime.sleep(5)\n")
+    agent = procs.start(
+        ["run", "--standalone", "--nproc-per-node", "2", "--run-dir", str(procs.tmp / "r"),
+         str(script)],
+        name="a",
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    pids = _worker_pids(agent.pid, 2, script=script.name)
+    assert {" ".join(_parent(p).cmdline()).count("flexrun run") for p in pids} == {1}
+    deadline = time.monotonic() + 4.0  # (past restart mode's 3 s delay before a pool fills)
+    while time.monotonic() < deadline and agent.poll() is None:
+        spares = [p for p in descendants(agent.pid) if "flexrun.spares" in _cmdline(p)]
+        assert not spares, spares
+        time.sleep(0.2)
+    assert agent.wait(timeout=60) == 0, procs.stderr("a")[-3000:]
+    assert not (procs.tmp / "r" / "logs" / "spares").exists()
 
 
 @pytest.mark.timeout(900)

@@ -76,9 +76,15 @@ def first_workers_warm(config: RunConfig) -> bool:
     nothing, as under a batch system or a pod: one zygote's ``import torch`` then serves
     every worker. Where the agent's stdin is a terminal, a pipe or a file, its first workers
     start cold and inherit it, as torchrun's do (``breakpoint()`` works; a spare's stdin is
-    its assignment channel and it gets ``/dev/null``).
+    its assignment channel and it gets ``/dev/null``). Cold too when the script imports only
+    the standard library as it starts (``SpareSettings.first_from_pool``): the zygote's
+    imports would serve none of them, and the pool fills after they started.
     """
-    if config.store.endpoints or config.spares.spares_dir is not None:
+    if config.spares.spares_dir is not None:
+        return True
+    if not config.spares.first_from_pool:
+        return False
+    if config.store.endpoints:
         return True
     return _stdin_carries_nothing()
 

@@ -44,6 +44,7 @@ from flexrun.config.run_parts import (
     StdStreams,
     WorkerSpec,
 )
+from flexrun.config.script_imports import BEYOND, script_imports
 from flexrun.config.settings import (
     LIVE_MAX_RESTARTS,
     LIVE_RESTART_WINDOW_S,
@@ -262,12 +263,17 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         else {}
     )
     shards = _int(a.get("live_shards") or 1, "--live-shards", low=1)
+    # A spare is an interpreter with torch imported: the defaults give a script that imports
+    # only the standard library no restart pool of its own (a node's `flexrun spares` are
+    # warm already), and start its first workers cold.
+    imports = BEYOND if module or no_python else script_imports(a["training_script"])
     spares_raw = a["warm_spares"]
-    spares = (
-        _int(spares_raw, "--warm-spares")
-        if spares_raw not in (None, "")
-        else (shards if mode == "live" else nproc)
-    )
+    if spares_raw not in (None, ""):
+        spares = _int(spares_raw, "--warm-spares")
+    elif mode == "live":
+        spares = shards
+    else:
+        spares = nproc if imports.anywhere or a.get("spares_dir") else 0
     redirects, tee = _std(a["redirects"], "--redirects"), _std(a["tee"], "--tee")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if a.get("virtual_local_rank") and visible is not None and nproc > len(visible.split(",")):
@@ -341,6 +347,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
             warm_spares=spares,
             spares_dir=Path(a["spares_dir"]).absolute() if a.get("spares_dir") else None,
             spare_preload=_modules(a.get("spare_preload"), "--spare-preload"),
+            first_from_pool=imports.at_start,
         ),
         run_id=run_id,
         node_id=_node_id(a),

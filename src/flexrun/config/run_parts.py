@@ -184,6 +184,10 @@ class SpareSettings:
     spare_preload: tuple[str, ...] = ()
     """Modules this run's spares import before they are ready (``--spare-preload``), so a
     replacement worker finds the script's libraries imported; none by default."""
+    first_from_pool: bool = True
+    """Whether the first workers may be forked from the pool's zygote: False when the script
+    imports only the standard library as it starts (:mod:`flexrun.config.script_imports`),
+    so a zygote's ``import torch`` would serve none of them."""
 
     def __post_init__(self) -> None:
         if self.warm_spares < 0:
