@@ -31,7 +31,8 @@ def _cfg(argv: list[str], env: dict[str, str] | None = None) -> RunConfig:
 @pytest.fixture
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("print('hi')\n")
+    # (Never run; it imports torch, so restart mode's default pool is there.)
+    (tmp_path / "train.py").write_text("import torch\n")
     return "train.py"
 
 
