@@ -33,6 +33,8 @@ from flexrun.errors import ConfigError
 
 STATE_MARK = "state"
 """Written to a worker's heartbeat file once it holds live state (has joined an epoch)."""
+LOST_MARK = "lost"
+"""The heartbeat file's second line: ``lost <seconds>`` (:func:`mark_state`)."""
 
 ENV_LIVE = "FLEXRUN_LIVE"
 ENV_STORE = "FLEXRUN_LIVE_STORE"
@@ -149,6 +151,9 @@ class MemberReport:
     """Its replica group (sharded live jobs; None: a whole-model replica)."""
     shard: int = 0
     """Its shard index within the group."""
+    lost_s: float = 0.0
+    """Training time the job's disruptions cost so far, as it judged them
+    (:mod:`flexrun.train.live_goodput`)."""
 
     def encode(self) -> str:
         data: dict[str, object] = {"step": self.step, "has_state": self.has_state}
@@ -156,6 +161,8 @@ class MemberReport:
             data["checksum"] = self.checksum
         if self.group is not None:
             data["group"], data["shard"] = self.group, self.shard
+        if self.lost_s:
+            data["lost_s"] = round(self.lost_s, 4)
         return json.dumps(data)
 
     @classmethod
@@ -170,9 +177,22 @@ class MemberReport:
                 str(checksum) if checksum is not None else None,
                 str(group) if group is not None else None,
                 int(str(d.get("shard", 0))),
+                _seconds(d.get("lost_s", 0.0)),
             )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed member report: {exc}") from exc
+
+
+_MAX_LOST_S = 1e8  # (three years)
+
+
+def _seconds(raw: object) -> float:
+    """A reported duration: a finite number of seconds, 0 to :data:`_MAX_LOST_S`."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ValueError(f"lost_s {raw!r}: not a number")
+    if not 0.0 <= float(raw) <= _MAX_LOST_S:  # (NaN fails both)
+        raise ValueError(f"lost_s {raw!r}: not between 0 and {_MAX_LOST_S:g}")
+    return float(raw)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -262,9 +282,17 @@ def touch_heartbeat(path: Path) -> None:
         os.utime(path)
 
 
-def mark_state(path: Path) -> None:
-    """Worker side: "I hold live state" (after joining an epoch)."""
-    path.write_text(STATE_MARK + "\n")
+def mark_state(path: Path, lost_s: float = 0.0) -> None:
+    """Worker side: "I hold live state" (after joining an epoch), and the training time the
+    job's disruptions cost so far as this worker judges it. Replaced whole (a reader never
+    sees half of it); the mtime is a beat like any other.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{STATE_MARK}\n{LOST_MARK} {lost_s:.4f}\n")
+    os.replace(tmp, path)
 
 
 def heartbeat_age(path: Path, now_wall: float) -> float | None:
@@ -274,6 +302,23 @@ def heartbeat_age(path: Path, now_wall: float) -> float | None:
         return now_wall - path.stat().st_mtime
     except FileNotFoundError:
         return None
+
+
+def reported_lost(path: Path) -> float:
+    """Agent side: the lost training time the worker last reported (0.0: none, or not
+    readable; the file is the worker's, so a malformed line counts as none)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0.0
+    for line in text.splitlines()[1:]:
+        key, _, value = line.partition(" ")
+        if key == LOST_MARK:
+            try:
+                return _seconds(float(value))
+            except ValueError:
+                return 0.0
+    return 0.0
 
 
 def holds_state(path: Path) -> bool:
@@ -295,6 +340,7 @@ __all__ = [
     "holds_state",
     "mark_state",
     "next_epoch",
+    "reported_lost",
     "touch_heartbeat",
     "worker_env",
 ]

@@ -50,6 +50,9 @@ def test_kill_9_of_a_worker_keeps_survivors_and_a_warm_spare_keeps_the_run_bitwi
     assert_at_most_step_in_flight_redone(run, recoveries=1)
     final = torch.load(run / "w.pt", weights_only=True)
     assert all(torch.equal(final[k], reference[k]) for k in reference), "not bitwise identical"
+    # The survivors' pause (and any step slowed after it) is lost time, off the job's ETTR.
+    done = [e for e in read_events(run / "run") if e["event"] == "job_finished"]
+    assert done and done[-1]["lost_s"] > 0 and done[-1]["ettr"] < 1, done
 
 
 @pytest.mark.timeout(400)

@@ -125,12 +125,15 @@ class Agent:
 
     def _finish(self, code: int) -> None:
         wall = self.clock.monotonic() - self._started
+        lost = self.runner.lost_s()  # (live mode: time lost without a stopped round)
+        productive = max(self.uptime.total_s - lost, 0.0)
         self.events.emit(
             "job_finished",
             exit_code=code,
             wall_s=round(wall, 3),
-            productive_s=round(self.uptime.total_s, 3),
-            ettr=round(self.uptime.total_s / wall, 4) if wall > 0 else None,
+            productive_s=round(productive, 3),
+            lost_s=round(lost, 3),
+            ettr=round(productive / wall, 4) if wall > 0 else None,
             rounds_run=self._runs,
         )
 

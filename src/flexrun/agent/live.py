@@ -359,7 +359,7 @@ class LiveRunner(LoopProgress):
         """Admit a running worker once it reaches the loop; kill it when it is frozen."""
         age, mono = heartbeat_age(lw.heartbeat, now_wall), self.clock.monotonic()
         if age is not None:  # (None: not in the loop yet, or done with it)
-            lw.included = self.saw_loop(mono)
+            lw.included = self.saw_loop(mono, lw.heartbeat)
         why = _frozen(lw, age, mono, self.config.rendezvous.heartbeat_timeout_s)
         if why is not None:
             log.warning("worker %s %s: killing it", lw.worker_id, why)

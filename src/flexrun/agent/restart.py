@@ -251,6 +251,9 @@ class RestartRunner:
     def kept_until(self) -> float | None:
         return self.progress.kept_until()
 
+    def lost_s(self) -> float:
+        return 0.0  # (a failure stops the round: kept_until bounds what survives)
+
     def first_step_mono(self) -> float | None:
         """When a step of the current round was first seen (monotonic), if one was."""
         return self.progress.first_step_mono()

@@ -14,9 +14,11 @@ from __future__ import annotations
 import enum
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from flexrun.agent.policy import Event
+from flexrun.live_protocol import reported_lost
 from flexrun.rendezvous.state import MasterRecord, RoundRecord
 
 MasterSource = Callable[[RoundRecord], MasterRecord | None]
@@ -34,18 +36,38 @@ class RoundStart(enum.Enum):
     """The running workers carry on in the new round (live mode)."""
 
 
+LOST_READ_S = 0.25
+"""How often live mode reads the workers' reported lost time (their heartbeat files: a
+worker removes its own when it leaves the loop, so the last report must be read before)."""
+
+
 class LoopProgress:
     """Live mode's progress, as the agent sees it: the first time a worker of this node was
-    seen in the training loop (its heartbeat). Live failures never count as a crash loop
-    (the survivors' steps are not counted per failure)."""
+    seen in the training loop (its heartbeat), and the largest training time lost to
+    disruptions that a worker reported (job-wide: :mod:`flexrun.train.live_goodput`).
+    Live failures never count as a crash loop (the survivors' steps are not counted per
+    failure)."""
 
     first_loop: float | None = None
+    lost: float = 0.0
+    _lost_read: float | None = None  # (monotonic: when the reports were last read)
+    _lost_seen: set[Path] | None = None
 
-    def saw_loop(self, mono: float) -> bool:
-        """A worker is in the loop at ``mono`` (monotonic); returns True."""
+    def saw_loop(self, mono: float, heartbeat: Path | None = None) -> bool:
+        """A worker is in the loop at ``mono`` (monotonic), its heartbeat file
+        ``heartbeat`` read for its report every :data:`LOST_READ_S`; returns True."""
         if self.first_loop is None:
             self.first_loop = mono
+        if heartbeat is not None:
+            if self._lost_read is None or mono - self._lost_read >= LOST_READ_S:
+                self._lost_read, self._lost_seen = mono, set()
+            if self._lost_seen is not None and heartbeat not in self._lost_seen:
+                self._lost_seen.add(heartbeat)
+                self.lost = max(self.lost, reported_lost(heartbeat))
         return True
+
+    def lost_s(self) -> float:
+        return self.lost
 
     def made_progress(self) -> bool | None:
         return None
@@ -106,6 +128,12 @@ class Runner(Protocol):
     def first_step_mono(self) -> float | None:
         """When the agent first saw a training step of the running workers (monotonic),
         or None: productive time counts only from it."""
+        ...
+
+    def lost_s(self) -> float:
+        """Training time the running job lost without stopping its workers (live mode's
+        pauses and slowed steps after a disruption, as its workers judged them; restart
+        mode's losses are its stopped rounds: 0.0)."""
         ...
 
     def kept_until(self) -> float | None:

@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ from flexrun.errors import CheckpointError, ConfigError, LiveAborted, TrainingFi
 from flexrun.events import EventLog
 from flexrun.live_protocol import EpochRecord, LiveEnv, MemberReport, mark_state, touch_heartbeat
 from flexrun.train.live_durable import LiveDurability
+from flexrun.train.live_goodput import LostTime
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
 from flexrun.train.live_shards import Shards, micro_chunks, shard_mesh
@@ -199,6 +201,7 @@ class LiveLoop:
         self._preempted = False
         self._flags = (0.0, 0.0)
         self._params = [p for p in model.parameters()]
+        self.lost = LostTime()  # (what disruptions cost: the agent's ETTR subtracts it)
         self.shards = Shards(self.env, model, optimizer) if self.env.shards > 1 else None
         """The replica-group side of a sharded model (``flexrun.train.live_shards``)."""
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
@@ -319,6 +322,8 @@ class LiveLoop:
         self.optimizer.step()
         self.committed += 1
         self.has_state = True
+        if self.lost.committed(time.monotonic()):
+            self._mark()
         self._flags = (float(flags[-2]), float(flags[-1]))
         every = self.checkpoint_every
         if every and self.committed % every == 0 and self.durable.saver:
@@ -349,6 +354,7 @@ class LiveLoop:
     # -- membership -------------------------------------------------------------------------
     def _rejoin(self, *, reason: str) -> None:
         t0 = time.monotonic()
+        self.lost.disrupted()
         self.group.abandon()
         after = self.group.epoch.number if self.group.epoch is not None else -1
         while True:
@@ -371,7 +377,9 @@ class LiveLoop:
                 state_checksum(self.model) if self.has_state else None,
             )
         )
+        report = replace(report, lost_s=self.lost.lost_s)
         reports = self.group.agree(rec, report, has_state=self.has_state)
+        self.lost.adopt(max(r.lost_s for r in reports))
         if sh is not None:
             layout, plan = sh.plan(reports, formed=self.group.formed_before())
         else:
@@ -425,11 +433,13 @@ class LiveLoop:
             duration_s=round(time.monotonic() - t0, 4),
             reason=reason,
         )
+        self._mark()  # (this worker holds live state: see LiveSupervisor)
         if first:
-            # Tells the agent that this worker holds live state (see LiveSupervisor).
-            with contextlib.suppress(OSError):
-                mark_state(self.env.heartbeat_file)
             self.group.mark_formed(rec.number)
+
+    def _mark(self) -> None:
+        with contextlib.suppress(OSError):  # (the agent then sees no state, or an old total)
+            mark_state(self.env.heartbeat_file, self.lost.lost_s)
 
     def close(self) -> None:
         """Wait for the last durable checkpoint and leave the live protocol. Idempotent."""

@@ -101,6 +101,7 @@ class FakeRunner:
         self.first_step: float | None = None
         self.prepared: list[int] = []
         self.masters: list[MasterRecord | None] = []
+        self.lost = 0.0
 
     def made_progress(self) -> bool | None:
         return self.progressed
@@ -110,6 +111,9 @@ class FakeRunner:
 
     def kept_until(self) -> float | None:
         return None
+
+    def lost_s(self) -> float:
+        return self.lost
 
     @property
     def active(self) -> bool:
@@ -421,3 +425,32 @@ def test_a_record_that_never_parses_ends_the_agent_after_the_join_timeout(tmp_pa
     with pytest.raises(RendezvousError, match="corrupt round record"):
         agent.run()
     assert clock.monotonic() >= RendezvousSettings().join_timeout_s
+
+
+def _finished_with_lost(tmp_path, lost: float) -> dict:
+    rdzv = FakeRendezvous([Run(rnd(1, "n1"))])
+    runner = FakeRunner([None, None, p.LiveFinished()], start=RoundStart.FRESH)
+    agent, clock = make(tmp_path, rdzv, runner)
+    runner.first_step, runner.lost = clock.monotonic(), lost
+    scripted = runner.poll
+
+    def poll() -> p.Event | None:
+        clock.advance(10.0)  # (each poll: 10 s of training)
+        return scripted()
+
+    runner.poll = poll  # type: ignore[method-assign]
+    assert agent.run() == 0
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    return next(e for e in map(json.loads, lines) if e["event"] == "job_finished")
+
+
+@pytest.mark.timeout(10)
+def test_the_time_live_workers_lost_comes_off_the_jobs_productive_time(tmp_path) -> None:
+    """Live mode's pauses and slowed steps do not stop a round; what the workers judged
+    lost (LiveRunner.lost_s) is taken off the productive time, so off the ETTR."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    clean, hit = _finished_with_lost(tmp_path / "a", 0.0), _finished_with_lost(tmp_path / "b", 4.0)
+    assert clean["lost_s"] == 0.0 and hit["lost_s"] == 4.0
+    assert clean["productive_s"] >= 29.0 and hit["wall_s"] == clean["wall_s"]
+    assert hit["productive_s"] == pytest.approx(clean["productive_s"] - 4.0)
+    assert hit["ettr"] == round(hit["productive_s"] / hit["wall_s"], 4) < clean["ettr"]
