@@ -145,12 +145,15 @@ def test_the_sending_group_lost_during_the_transfer_resumes_from_the_durable_che
     procs: Procs, reference: dict[int, list[dict]]
 ) -> None:
     """Every group that held the state is lost, the second during the peer transfer: a kill
-    -9 takes the second group out, and once the first group's source of one shard announces
-    its transfer (``live_transfer_sending``), the source of the other shard is killed too.
-    One shard's transfer may complete and the other's cannot, so no member of that epoch
-    may count as holding state (nothing torn is loaded): the replacements restore the
-    newest durable checkpoint (the first group's shards, DCP through flexrun's commit) and
-    the run ends bitwise equal."""
+    -9 takes the second group out; the first group's source of shard 1 is slowed (stopped
+    40 ms in every 60, never long enough to count as frozen) and killed, stopped, once a
+    source has announced its transfer (``live_transfer_sending``). One shard's transfer may
+    have completed, the epoch's cannot (shard 1's or the vote that closes them waits for
+    the killed source), so no member of that epoch may count as holding state (nothing torn
+    is loaded; without the vote a receiver with its shard ran its first FSDP all-gather
+    beside a group-mate still waiting for its own, and the job hung): the replacements
+    restore the newest durable checkpoint (the first group's shards, DCP through flexrun's
+    commit) and the run ends bitwise equal."""
     ckpt = procs.tmp / "ckpt"
     agent, run = start(
         procs, "all", "--warm-spares", "4", script=("--ckpt-dir", str(ckpt), "--ckpt-every", "10")
@@ -165,8 +168,16 @@ def test_the_sending_group_lost_during_the_transfer_resumes_from_the_durable_che
         return next((e for e in read_events(run / "run") if e["event"] == "live_transfer_sending"
                      and e["ts"] > t_kill), None)  # fmt: skip
 
-    hit = wait_for(sending, 60, "a peer transfer", interval=0.001)
-    os.kill(first[1 - hit["shard"]], signal.SIGKILL)  # (group 1's source of the other shard)
+    hit, deadline = None, time.monotonic() + 60
+    while hit is None and time.monotonic() < deadline:
+        os.kill(first[1], signal.SIGSTOP)
+        time.sleep(0.04)
+        hit = sending()
+        if hit is None:
+            os.kill(first[1], signal.SIGCONT)
+            time.sleep(0.02)
+    assert hit is not None, "no peer transfer within 60 s"
+    os.kill(first[1], signal.SIGKILL)
     assert procs.wait(agent, 300) == 0, procs.stderr("all")[-3000:]  # type: ignore[arg-type]
 
     events = read_events(run / "run")
