@@ -5,7 +5,8 @@ torchtitan-style script does it; the model is examples/train_live_hsdp.py's.
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 bench/hsdp_dcp_steps.py \\
         --shards 2 --ckpt-dir /tmp/ck --ckpt-every 5
 
-Each completed step appends one JSON line to ``--progress`` (step, rank, pid, attempt).
+Each completed step appends one JSON line to ``--progress`` (step, rank, pid, attempt); a
+resume first appends one with ``restoring`` (the checkpoint's step) instead of ``step``.
 A checkpoint counts once its ``done`` marker exists (written after every rank's save), so
 a kill during a save never leaves a torn checkpoint to resume from.
 """
@@ -62,14 +63,19 @@ def main() -> None:
     root = Path(a.ckpt_dir)
     done = sorted(int(d.name.split("-")[1]) for d in root.glob("step-*") if (d / "done").exists())
     start = 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if done:
         start = done[-1]
+        if a.progress:  # (a line with no "step": the bench's marker of a restore under way)
+            row = {"ts": time.time(), "restoring": start, "rank": rank, "pid": os.getpid(),
+                   "attempt": attempt}  # fmt: skip
+            with open(a.progress, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(root / f"step-{start}"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     per = a.global_batch // world
     for step in range(start, a.steps):
         idx = torch.randperm(1024, generator=torch.Generator().manual_seed(step))[: a.global_batch]

@@ -141,30 +141,56 @@ def test_a_replacement_lost_during_the_recovery_is_replaced_again_and_nothing_to
 
 
 @pytest.mark.timeout(420)
-def test_every_group_lost_resumes_from_the_durable_sharded_checkpoint_bitwise(
+def test_the_sending_group_lost_during_the_transfer_resumes_from_the_durable_checkpoint_bitwise(
     procs: Procs, reference: dict[int, list[dict]]
 ) -> None:
-    """No group holds the state: the replacements restore the newest durable checkpoint
-    (the first group's shards, DCP through flexrun's commit) and the run ends bitwise equal."""
+    """Every group that held the state is lost, the second during the peer transfer: a kill
+    -9 takes the second group out; the first group's source of shard 1 is slowed (stopped
+    40 ms in every 60, never long enough to count as frozen) and killed, stopped, once a
+    source has announced its transfer (``live_transfer_sending``). One shard's transfer may
+    have completed, the epoch's cannot (shard 1's or the vote that closes them waits for
+    the killed source), so no member of that epoch may count as holding state (nothing torn
+    is loaded; without the vote a receiver with its shard ran its first FSDP all-gather
+    beside a group-mate still waiting for its own, and the job hung): the replacements
+    restore the newest durable checkpoint (the first group's shards, DCP through flexrun's
+    commit) and the run ends bitwise equal."""
     ckpt = procs.tmp / "ckpt"
     agent, run = start(
         procs, "all", "--warm-spares", "4", script=("--ckpt-dir", str(ckpt), "--ckpt-every", "10")
     )
     wait_for(lambda: len(durable(ckpt)) >= 2, 120, "two durable checkpoints")
     wait_for(lambda: len(list(run.rglob("spare-*.ready"))) >= 4, 90, "four warm spares")
-    pids = [r["pid"] for r in step_rows(run) if r["epoch"] == 1][:4]
-    for pid in set(pids):
-        os.kill(pid, signal.SIGKILL)
+    first = {r["rank"]: r["pid"] for r in step_rows(run) if r["epoch"] == 1}
     t_kill = time.time()
-    at_kill = durable(ckpt)[-1]
-    assert at_kill < STEPS - 20, "killed too late to test"
+    os.kill(first[3], signal.SIGKILL)
+
+    def sending() -> dict | None:
+        return next((e for e in read_events(run / "run") if e["event"] == "live_transfer_sending"
+                     and e["ts"] > t_kill), None)  # fmt: skip
+
+    hit, deadline = None, time.monotonic() + 60
+    while hit is None and time.monotonic() < deadline:
+        os.kill(first[1], signal.SIGSTOP)
+        time.sleep(0.04)
+        hit = sending()
+        if hit is None:
+            os.kill(first[1], signal.SIGCONT)
+            time.sleep(0.02)
+    assert hit is not None, "no peer transfer within 60 s"
+    os.kill(first[1], signal.SIGKILL)
     assert procs.wait(agent, 300) == 0, procs.stderr("all")[-3000:]  # type: ignore[arg-type]
 
-    fb = [e for e in read_events(run / "run") if e["event"] == "live_fallback"]
-    assert fb and fb[0]["source"] == "durable checkpoint" and fb[0]["step"] == at_kill, fb
-    after = [r for r in step_rows(run) if r["ts"] > t_kill]
-    assert not {r["pid"] for r in after} & set(pids), "a killed worker trained again"
-    assert min(r["step"] for r in after) == at_kill, "did not resume at the checkpoint"
+    events = read_events(run / "run")
+    joined = [e for e in events if e["event"] == "live_joined" and e["epoch"] == hit["epoch"]]
+    assert not joined, f"the kill came after the transfer of epoch {hit['epoch']}: {joined}"
+    fb = [e for e in events if e["event"] == "live_fallback"]
+    assert fb and fb[0]["source"] == "durable checkpoint" and fb[0]["epoch"] > hit["epoch"], fb
+    rows = step_rows(run)
+    before = max(r["step"] for r in rows if r["ts"] < t_kill)
+    assert fb[0]["step"] % 10 == 0 and 20 <= fb[0]["step"] <= before + 1, (fb, before)
+    after = [r for r in rows if r["ts"] > fb[0]["ts"]]
+    assert not {r["pid"] for r in after} & set(first.values()), "a lost worker trained again"
+    assert min(r["step"] for r in after) == fb[0]["step"], "did not resume at the checkpoint"
     got = read_shards(run / "out")
     for i in (0, 1):
         assert len(got[i]) == 2 and all(same_state(reference[i][0], r) for r in got[i]), i

@@ -50,6 +50,7 @@ a dead peer) instead of leaking it; gradients and the state broadcast on the dev
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -402,9 +403,10 @@ class LiveLoop:
             except CheckpointError as exc:
                 error = str(exc)
         if plan.transfer and sh is not None:
-            self.committed = sh.transfer(
-                self.group.wait, source=plan.source, step=self.committed, error=error
-            )
+            sending = functools.partial(self.events.emit, "live_transfer_sending",
+                epoch=rec.number, rank=self.rank, shard=self.env.shard, pid=os.getpid())  # fmt: skip
+            self.committed = sh.transfer(self.group.wait, source=plan.source, step=self.committed,
+                error=error, on_send=sending, vote_pg=self.group.pg)  # fmt: skip
         elif plan.transfer:
             self.committed = broadcast_state(
                 self.group.pg,

@@ -123,5 +123,9 @@ class LiveDurability:
             self._ckpt.wait()
 
     def close(self) -> None:
-        if self._ckpt is not None:
+        if self._ckpt is None:
+            return
+        if self.env.shards > 1:
+            self._ckpt.wait()  # (a ShardedCheckpointer holds nothing else to close)
+        else:
             self._ckpt.close()

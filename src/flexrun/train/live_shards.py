@@ -222,15 +222,23 @@ class Shards:
         source: int,
         step: int,
         error: str | None = None,
+        on_send: Callable[..., object] | None = None,
+        vote_pg: Any = None,
     ) -> int:
         """Every replica of this shard takes ``source``'s (a position in the replicate
         group): the model's and the optimizer's local shards, as raw bytes in one buffer
         beside a small description of them; returns the committed step that goes with
-        them.
+        them. The source calls ``on_send(bytes=<size>)`` once its state is packed, before
+        the first byte goes out. With ``vote_pg`` (the whole epoch's group), it returns
+        only once every member of the epoch has its shard: each shard's transfer is a
+        collective of its own, and one can complete while another's source dies; nobody
+        may then hold state, or run an FSDP collective with a group-mate still waiting
+        for its shard.
 
         Raises:
             CheckpointError: on every replica, with the source's ``error`` message, or on
                 a replica whose model does not match the description.
+            LiveAborted: a transfer or the vote failed, or the epoch ended under them.
         """
         head = torch.zeros(2, dtype=torch.int64)  # (description bytes, <0: an error; data)
         meta = data = torch.empty(0, dtype=torch.uint8)
@@ -241,6 +249,8 @@ class Shards:
             else:
                 meta, data = self._pack(step)
                 head[0], head[1] = meta.numel(), data.numel()
+                if on_send is not None:
+                    on_send(bytes=meta.numel() + data.numel())
         wait(self.pg.broadcast(head, source))
         if self.position != source:
             meta = torch.empty(abs(int(head[0])), dtype=torch.uint8)
@@ -253,9 +263,11 @@ class Shards:
             )
         if data.numel():
             wait(self.pg.broadcast(data, source))
-        if self.position == source:
-            return step
-        return self._unpack(meta, data)
+        if self.position != source:
+            step = self._unpack(meta, data)
+        if vote_pg is not None:
+            wait(vote_pg.allreduce([torch.zeros(1)]))
+        return step
 
     def _pack(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(description, data): every local tensor's bytes in ``data`` (each at an offset
