@@ -1,0 +1,49 @@
+"""The short chaos run of an HSDP live job: 2 agents, each one replica group of 2 FSDP2
+shards (``--live-shards 2``), a fixed schedule of the faults a sharded live job must
+survive, every invariant checked (each sample once per committed step, the final shards'
+replicas bitwise equal to each other and to a fault-free reference's within tolerance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flexrun.testing.chaos import Fault, JobSpec, run_chaos
+
+# Times count from the first trained step: a shard worker killed, one frozen, a node (one
+# whole replica group) lost and one added back, a slowed shard worker, a corrupted checkpoint.
+HSDP_SCHEDULE = [
+    Fault(3.0, "kill_worker", 3, 1.0),
+    Fault(9.0, "stop_worker", 0, 1.5),
+    Fault(15.0, "kill_agent", 1, 1.0),
+    Fault(21.0, "add_node", 0, 1.0),
+    Fault(28.0, "slow_rank", 1, 1.0),
+    Fault(31.0, "corrupt_checkpoint", 0, 1.0),
+]
+
+
+@pytest.mark.timeout(600)
+def test_short_hsdp_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
+    spec = JobSpec(
+        root=tmp_path / "hsdp",
+        launcher="live",
+        nodes=2,
+        max_nodes=2,
+        nproc=2,
+        shards=2,
+        steps=600,
+        step_sleep=0.05,
+        ckpt_every=10,
+    )
+    result = run_chaos(spec, HSDP_SCHEDULE, timeout_s=420)
+    assert result.ok, result.to_dict()
+    assert {"exactly_once", "replicas_agree", "final_weights", "checkpoints_intact"} <= set(
+        result.checked
+    )
+    faults = result.stats["faults"]
+    for kind in ("kill_worker", "stop_worker", "kill_agent", "add_node", "slow_rank"):
+        assert faults.get(f"{kind}:done", 0) == 1, faults
+    # One group trained alone (2 ranks) after the node loss, two groups (4) otherwise.
+    assert {2, 4} <= set(result.stats["worlds"]), result.stats
+    assert all(n >= 1 for n in result.stats["final_replicas"].values()), result.stats
