@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flexrun.testing import invariants as inv
 from flexrun.testing.chaos import Fault, JobSpec, run_chaos
 
 # Times count from the first trained step: a shard worker killed, one frozen, a node (one
@@ -23,19 +24,23 @@ HSDP_SCHEDULE = [
 ]
 
 
-@pytest.mark.timeout(600)
-def test_short_hsdp_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
-    spec = JobSpec(
-        root=tmp_path / "hsdp",
+def _spec(root: Path, steps: int) -> JobSpec:
+    return JobSpec(
+        root=root,
         launcher="live",
         nodes=2,
         max_nodes=2,
         nproc=2,
         shards=2,
-        steps=600,
+        steps=steps,
         step_sleep=0.05,
         ckpt_every=10,
     )
+
+
+@pytest.mark.timeout(600)
+def test_short_hsdp_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
+    spec = _spec(tmp_path / "hsdp", 600)
     result = run_chaos(spec, HSDP_SCHEDULE, timeout_s=420)
     assert result.ok, result.to_dict()
     assert {"exactly_once", "replicas_agree", "final_weights", "checkpoints_intact"} <= set(
@@ -47,3 +52,27 @@ def test_short_hsdp_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     # One group trained alone (2 ranks) after the node loss, two groups (4) otherwise.
     assert {2, 4} <= set(result.stats["worlds"]), result.stats
     assert all(n >= 1 for n in result.stats["final_replicas"].values()), result.stats
+
+
+@pytest.mark.timeout(600)
+def test_a_group_whose_first_durable_save_follows_a_store_restart_keeps_training(
+    tmp_path: Path,
+) -> None:
+    """The store restarts, then the node of the first replica group (the one that saves)
+    is lost: the other group becomes the saver, and its first save comes after the
+    restart. Found by the 150 s chaos runs: that save formed its gloo group over the
+    group's store client, which does not reconnect; it hung for minutes, then the group
+    died (DistNetworkError) and the job fell back to its durable checkpoint."""
+    spec = _spec(tmp_path / "hsdp-store", 400)
+    result = run_chaos(
+        spec,
+        [Fault(3.0, "restart_store", 0, 1.0), Fault(12.0, "kill_agent", 0, 1.0)],
+        timeout_s=420,
+    )
+    faults = result.stats["faults"]
+    assert faults.get("restart_store:done") == 1 and faults.get("kill_agent:done") == 1, faults
+    events = inv.read_events(spec.root / "runs")
+    failed = [e for e in events if e["event"] in ("failure", "live_fallback")]
+    assert not failed, failed
+    assert result.ok, result.to_dict()
+    assert result.stats["latest"] == 400, result.stats
