@@ -145,7 +145,7 @@ def check(job: ChaosJob, records: list[dict[str, Any]]) -> inv.CheckResult:
     steps = inv.read_step_logs(job.root / "steps")
     events = inv.read_events(job.root / "runs")
     if s.launcher == "live":
-        _check_clean_end(steps, events, result)
+        inv.check_clean_end(steps, events, result)
     if not any(c == 0 for c in job.exits.values()):
         result.add("job_completed", "no launcher exited 0")
     final = s.shard_out if s.shards > 1 else job.final
@@ -176,24 +176,6 @@ def check(job: ChaosJob, records: list[dict[str, Any]]) -> inv.CheckResult:
     result.stats["worlds"] = sorted(worlds)
     result.stats["faults"] = _fault_counts(records)
     return result
-
-
-def _check_clean_end(
-    steps: list[dict[str, Any]], events: list[dict[str, Any]], result: inv.CheckResult
-) -> None:
-    """Live mode: no worker fails on its own once the last step is trained (a worker
-    killed by a signal is a fault's; one that exits with an error then is a bug, which
-    the agents' exit codes do not show: the job had finished)."""
-    last = max((r["ts"] for r in steps if "ids" in r), default=None)
-    if last is None:
-        return
-    for e in events:
-        if e.get("event") == "failure" and e["ts"] > last and not e.get("signal"):
-            result.add(
-                "job_completed",
-                f"{e.get('worker_id')} exited {e.get('exit_code')} after the last step: "
-                f"{str(e.get('message'))[:200]}",
-            )
 
 
 def _fault_counts(records: list[dict[str, Any]]) -> dict[str, int]:

@@ -389,6 +389,24 @@ def check_checkpoints(
     result.stats["latest"] = latest
 
 
+def check_clean_end(
+    steps: list[dict[str, Any]], events: list[dict[str, Any]], result: CheckResult
+) -> None:
+    """Live mode: no worker fails on its own once the last step is trained (one killed by
+    a signal is a fault's; one that exits with an error then is a bug, which the agents'
+    exit codes do not show: the job had finished). A ``job_completed`` violation."""
+    last = max((r["ts"] for r in steps if "ids" in r), default=None)
+    if last is None:
+        return
+    for e in events:
+        if e.get("event") == "failure" and e["ts"] > last and not e.get("signal"):
+            result.add(
+                "job_completed",
+                f"{e.get('worker_id')} exited {e.get('exit_code')} after the last step: "
+                f"{str(e.get('message'))[:200]}",
+            )
+
+
 def check_processes(pids: Iterable[int], result: CheckResult) -> None:
     """None of the processes the job ever had is still alive."""
     import psutil
@@ -426,6 +444,7 @@ __all__ = [
     "Violation",
     "attempt_stats",
     "check_checkpoints",
+    "check_clean_end",
     "check_exactly_once",
     "check_processes",
     "check_rounds",

@@ -167,3 +167,17 @@ def test_a_sharded_jobs_replicas_must_agree_bitwise_and_match_the_reference(tmp_
     lost = inv.CheckResult()
     inv.check_shard_states(final, ref, shards=2, constant_world=False, result=lost)
     assert lost.failed("final_weights"), lost.to_dict()
+
+
+def test_a_live_worker_failing_with_an_error_after_the_last_step_fails_job_completed() -> None:
+    steps = _clean_run()  # (last step line at ts 7.0)
+    killed = {"event": "failure", "ts": 8.0, "worker_id": "n0.w1", "exit_code": 137,
+              "signal": "SIGKILL", "message": "killed by SIGKILL"}  # fmt: skip
+    during = {**killed, "ts": 6.0, "exit_code": 1, "signal": None, "message": "reset by peer"}
+    ok = inv.CheckResult()
+    inv.check_clean_end(steps, [killed, during], ok)
+    assert ok.ok, ok.to_dict()
+    crashed = {**killed, "exit_code": 1, "signal": None, "message": "AttributeError: close"}
+    bad = inv.CheckResult()
+    inv.check_clean_end(steps, [killed, crashed], bad)
+    assert bad.failed("job_completed") and "AttributeError" in bad.violations[0].detail
