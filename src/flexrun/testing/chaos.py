@@ -76,7 +76,8 @@ def run_faults(job: ChaosJob, faults: list[Fault], *, timeout_s: float) -> list[
 def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float = 300) -> None:
     """The same workload without faults or checkpoints: the weights to match. At ``world``
     1 a plain process; else ``flexrun run --standalone`` with that many workers (a run
-    that kept one world size must match it bitwise)."""
+    that kept one world size must match it bitwise). A sharded job's reference writes its
+    final shards into the directory ``out``."""
     launcher = [sys.executable]
     live = spec.launcher == "live"
     if world > 1 or live:
@@ -85,12 +86,16 @@ def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float 
             "--mode", "live" if live else "restart", "--warm-spares", "0",
             "--run-dir", str(out.parent / "reference-run"),
         ]  # fmt: skip
+    sharded = []
+    if spec.shards > 1:
+        launcher += ["--live-shards", str(spec.shards)]
+        sharded = ["--shards", str(spec.shards), "--shard-out", str(out)]
     argv = [
         *launcher, str(WORKLOAD),
         "--steps", str(spec.steps), "--samples", str(spec.samples),
         "--global-batch", str(spec.global_batch), "--seed", str(spec.seed),
         "--log-dir", str(out.parent / "reference-steps"), "--final", str(out),
-        *(["--live"] if live else []),
+        *(["--live-loop"] if live else []), *sharded,
     ]  # fmt: skip
     done = subprocess.run(
         argv, env=worker_env(), timeout=timeout_s, capture_output=True, cwd=out.parent
@@ -98,6 +103,30 @@ def run_reference(spec: JobSpec, out: Path, *, world: int = 1, timeout_s: float 
     if done.returncode != 0:
         tail = (done.stdout + done.stderr).decode(errors="replace")[-1500:]
         raise subprocess.SubprocessError(f"exit {done.returncode}: {tail}")
+
+
+def _check_final(job: ChaosJob, worlds: set[int], result: inv.CheckResult) -> None:
+    """The final weights against a fault-free reference run (bitwise when the world size
+    never changed); a sharded job's replicas against each other too."""
+    s = job.spec
+    constant = len(worlds) == 1
+    world = next(iter(worlds)) if constant else max(1, s.shards)
+    reference = job.root / ("reference-shards" if s.shards > 1 else "reference.pt")
+    try:
+        run_reference(s, reference, world=world)
+    except (subprocess.SubprocessError, OSError) as exc:
+        result.add("final_weights", f"reference run failed: {exc}")
+        if s.shards > 1:  # (the replicas can still be compared with each other)
+            inv.check_shard_states(
+                s.shard_out, None, shards=s.shards, constant_world=constant, result=result
+            )
+        return
+    if s.shards > 1:
+        inv.check_shard_states(
+            s.shard_out, reference, shards=s.shards, constant_world=constant, result=result
+        )
+    else:
+        inv.check_weights(job.final, reference, constant_world=constant, result=result)
 
 
 def check(job: ChaosJob, records: list[dict[str, Any]]) -> inv.CheckResult:
@@ -113,32 +142,27 @@ def check(job: ChaosJob, records: list[dict[str, Any]]) -> inv.CheckResult:
             result.add(
                 "job_completed", f"{name} exited {code}, expected {sorted(job.expected_exit[name])}"
             )
+    steps = inv.read_step_logs(job.root / "steps")
+    events = inv.read_events(job.root / "runs")
+    if s.launcher == "live":
+        inv.check_clean_end(steps, events, result)
     if not any(c == 0 for c in job.exits.values()):
         result.add("job_completed", "no launcher exited 0")
-    if not job.final.exists():
+    final = s.shard_out if s.shards > 1 else job.final
+    if not final.exists():
         result.add("job_completed", "no final weights written")
-    steps = inv.read_step_logs(job.root / "steps")
     inv.check_exactly_once(
         steps, steps=s.steps, samples=s.samples, global_batch=s.global_batch, result=result
     )
     inv.check_rounds(steps, result)
     worlds = {int(r["world"]) for r in steps if "ids" in r}
-    reference = job.root / "reference.pt"
-    if job.final.exists():
-        constant = len(worlds) == 1
-        world = next(iter(worlds)) if constant else 1
-        try:
-            run_reference(s, reference, world=world)
-        except (subprocess.SubprocessError, OSError) as exc:
-            result.add("final_weights", f"reference run failed: {exc}")
-        else:
-            inv.check_weights(job.final, reference, constant_world=constant, result=result)
+    if final.exists():
+        _check_final(job, worlds, result)
     corrupted = {
         int(r["step"])
         for r in records
         if r.get("kind") == "corrupt_checkpoint" and r.get("outcome") == "done"
     }
-    events = inv.read_events(job.root / "runs")
     if s.launcher != "live" or (job.root / "ckpt").exists():
         inv.check_checkpoints(
             str(job.root / "ckpt"),

@@ -5,6 +5,7 @@ Owns only argument parsing and printing; the schedule, harness and injector are 
 
     flexrun chaos schedule --seed 3 --duration 600 --interval 6
     flexrun chaos run --root /tmp/chaos --seed 3 --duration 600 --interval 6 --steps 6000
+    flexrun chaos run --root /tmp/hsdp --launcher live --nproc 2 --shards 2 --seed 3  # HSDP
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _check_numbers(ns: argparse.Namespace) -> None:
         ("nodes", 1),
         ("max_nodes", 1),
         ("nproc", 1),
+        ("shards", 1),
         ("steps", 1),
         ("ckpt_every", 1),
         ("durable_every", 0),
@@ -71,6 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--nodes", type=int, default=2, help="agents at start")
     r.add_argument("--max-nodes", type=int, default=3)
     r.add_argument("--nproc", type=int, default=1, help="workers per agent")
+    r.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="live: an HSDP job, every N workers of an agent one replica group of FSDP2 "
+        "shards (--live-shards N; --nproc a multiple of N)",
+    )
     r.add_argument("--steps", type=int, default=1000)
     r.add_argument("--step-sleep", type=float, default=0.05)
     r.add_argument("--ckpt-every", type=int, default=10)
@@ -103,6 +112,11 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             f"--durable-every: the memory tier is flexrun's restart mode's (the agent keeps "
             f"the copies); not with --launcher {ns.launcher}"
         )
+    if ns.shards > 1 and (ns.launcher != "live" or ns.nproc % ns.shards):
+        raise ConfigError(
+            f"--shards {ns.shards}: an HSDP job is a live one (--launcher live) whose --nproc "
+            f"({ns.nproc}) is a multiple of --shards"
+        )
     root = Path(ns.root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--root {ns.root}: exists and is not a directory")
@@ -117,6 +131,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         ckpt_every=ns.ckpt_every,
         seed=ns.seed,
         hang_timeout_s=ns.hang_timeout,
+        shards=ns.shards,
         extra_args=["--durable-every", str(ns.durable_every)] if ns.durable_every else [],
     )
     result = run_chaos(spec, _schedule(ns), timeout_s=ns.timeout)

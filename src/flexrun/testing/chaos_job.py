@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from flexrun.errors import ConfigError
 from flexrun.testing import invariants as inv
 from flexrun.testing.chaos_schedule import Fault
 
@@ -38,7 +39,9 @@ RDZV_CONF = (
 
 @dataclass(kw_only=True)
 class JobSpec:
-    """What to run. ``launcher`` is ``restart`` or ``live`` (flexrun) or ``torchrun``."""
+    """What to run. ``launcher`` is ``restart`` or ``live`` (flexrun) or ``torchrun``.
+    ``shards`` > 1 (live only): an HSDP job, every ``shards`` workers of an agent one
+    replica group of FSDP2 shards (``--live-shards``)."""
 
     root: Path
     launcher: str = "restart"
@@ -53,7 +56,20 @@ class JobSpec:
     seed: int = 0
     hang_timeout_s: float = 0.0
     warm_spares: int | None = None
+    shards: int = 1
     extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.shards > 1 and (self.launcher != "live" or self.nproc % self.shards):
+            raise ConfigError(
+                f"shards {self.shards}: a sharded job is a live one whose workers per agent "
+                f"({self.nproc}) are a multiple of the shards"
+            )
+
+    @property
+    def shard_out(self) -> Path:
+        """Where a sharded job's ranks write their final shards."""
+        return self.root / "final-shards"
 
     def workload_args(self, final: Path) -> list[str]:
         args = [
@@ -69,7 +85,9 @@ class JobSpec:
             "--enospc-flag", str(self.root / "enospc"),
         ]  # fmt: skip
         if self.launcher == "live":
-            args.append("--live")
+            args.append("--live-loop")
+        if self.shards > 1:
+            args += ["--shards", str(self.shards), "--shard-out", str(self.shard_out)]
         return args + list(self.extra_args)
 
 
@@ -166,9 +184,8 @@ class ChaosJob:
             f"flexrun store did not start on port {self.port}: {out.read_text()[-500:]}"
         )
 
-    def add_agent(self) -> str:
-        name = f"n{self._next_node}"
-        self._next_node += 1
+    def agent_argv(self, name: str) -> list[str]:
+        """The command line of node ``name``'s agent (``flexrun run``) and its workload."""
         s = self.spec
         argv = [
             sys.executable, "-m", "flexrun", "run",
@@ -182,8 +199,14 @@ class ChaosJob:
         ]  # fmt: skip
         if s.warm_spares is not None:
             argv += ["--warm-spares", str(s.warm_spares)]
-        argv += [str(WORKLOAD), *s.workload_args(self.final)]
-        self.agents[name] = self._popen(name, argv)
+        if s.shards > 1:
+            argv += ["--live-shards", str(s.shards)]
+        return [*argv, str(WORKLOAD), *s.workload_args(self.final)]
+
+    def add_agent(self) -> str:
+        name = f"n{self._next_node}"
+        self._next_node += 1
+        self.agents[name] = self._popen(name, self.agent_argv(name))
         self.expected_exit[name] = {0}
         return name
 

@@ -8,8 +8,12 @@ resumed from). Rank 0 writes the final model state to ``--final``. It does not j
 anything (``flexrun.testing.invariants`` does) and knows nothing about the faults.
 
 Runs unchanged under ``flexrun run`` (restart mode), ``flexrun run --mode live`` (with
-``--live``: :class:`flexrun.train.live.LiveLoop`), ``torchrun`` and plain ``python``
-(one process: the reference run).
+``--live-loop``: :class:`flexrun.train.live.LiveLoop`), ``torchrun`` and plain ``python``
+(one process: the reference run). With ``--live-loop --shards S`` (under ``flexrun run --mode
+live --live-shards S``) the model is an HSDP one: FSDP2 over the worker's replica group
+(``shard_mesh()``), replicas across groups; each rank then writes its final shard of the
+model and optimizer state to ``--shard-out`` (``shard<i>-<pid>.pt``, the layout
+:mod:`flexrun.testing.shard_states` reads) instead of rank 0 writing ``--final``.
 
 Two hooks exist only for chaos testing: ``--enospc-flag PATH`` makes every checkpoint file
 write fail with ENOSPC while PATH exists (a full disk without root), and
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import flexrun.train as ft
+from flexrun.live_protocol import ENV_SHARD
 from flexrun.train.storage import LocalStorage
 
 NUM_FEATURES = 16
@@ -74,7 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", required=True, help="step logs go here (steps-<pid>.jsonl)")
     p.add_argument("--final", default=None, help="rank 0 writes the final state_dict here")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
-    p.add_argument("--live", action="store_true", help="use LiveLoop (flexrun --mode live)")
+    p.add_argument(
+        "--live-loop",
+        "--live",
+        dest="live",
+        action="store_true",
+        help="use LiveLoop (flexrun --mode live). Launchers pass --live-loop: `flexrun run` "
+        "refuses a script argument that abbreviates two of its own options (as torchrun's "
+        "parser does), and --live abbreviates --live-shards and --live_shards",
+    )
     p.add_argument("--enospc-flag", default=None)
     p.add_argument(
         "--linger-on-preempt",
@@ -84,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(a slow interpreter teardown, for tests)",
     )
     p.add_argument("--frozen-shard", type=int, default=0, help="BROKEN on purpose if > 0")
+    p.add_argument("--shards", type=int, default=1, help="live: FSDP2 shards per replica group")
+    p.add_argument("--shard-out", default=None, help="live, --shards > 1: final shards here")
     return p.parse_args(argv)
 
 
@@ -122,6 +137,30 @@ def _save_final(model: torch.nn.Module, path: str | None) -> None:
         tmp = f"{path}.tmp-{os.getpid()}"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, path)
+
+
+def _save_shard(model: torch.nn.Module, opt: torch.optim.Optimizer, out: str | None) -> None:
+    """This rank's local shard of the model and optimizer state (atomically)."""
+    from flexrun.train.live import state_checksum
+
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+
+    def loc(v: Any) -> Any:
+        return v.to_local() if hasattr(v, "to_local") else v
+
+    state = {
+        "model": {k: loc(v) for k, v in model.state_dict().items()},
+        "optim": {
+            i: {k: loc(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()
+        },
+        "checksum": state_checksum(model),
+    }
+    shard = int(os.environ[ENV_SHARD])
+    path = os.path.join(out, f"shard{shard}-{os.getpid()}.pt")
+    torch.save(state, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
 
 
 def run_restart_mode(args: argparse.Namespace, log: StepLog) -> int:
@@ -233,6 +272,16 @@ def run_live_mode(args: argparse.Namespace, log: StepLog) -> int:
     torch.set_num_threads(1)
     xs, ys = _data(args)
     model = _model(args.seed)
+    if args.shards > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        from flexrun.train.live import shard_mesh
+
+        mesh = shard_mesh("cpu")  # (this worker's replica group; the loop forms the rest)
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     loop = LiveLoop(
         model,
@@ -261,7 +310,9 @@ def run_live_mode(args: argparse.Namespace, log: StepLog) -> int:
             epoch=step.number * args.global_batch // args.samples,
             ids=step.indices,
         )
-    if loop.rank == 0:
+    if args.shards > 1:
+        _save_shard(model, opt, args.shard_out)
+    elif loop.rank == 0:
         _save_final(model, args.final)
     log.write(
         done=True,

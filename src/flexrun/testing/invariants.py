@@ -16,12 +16,15 @@ Definitions:
   from it, none twice).
 * *Rounds never interleave*: ordered by time, no step line carries a round lower than
   one already seen.
+* *Replicas agree* (a sharded live job): every shard index's final state, as written by
+  each replica group that finished, is bitwise the same in every group.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -33,6 +36,7 @@ INVARIANTS = (
     "job_completed",
     "exactly_once",
     "final_weights",
+    "replicas_agree",
     "checkpoints_intact",
     "rounds_never_interleave",
     "no_process_left",
@@ -279,6 +283,54 @@ def check_weights(
     result.stats["weights_compare"] = "bitwise" if constant_world else f"rtol {rtol:g}"
 
 
+def check_shard_states(
+    final_dir: str | os.PathLike[str],
+    reference_dir: str | os.PathLike[str] | None,
+    *,
+    shards: int,
+    constant_world: bool,
+    result: CheckResult,
+    rtol: float = 1e-5,
+) -> None:
+    """A sharded job's final states (:mod:`flexrun.testing.shard_states`): every shard index
+    written by at least one replica, its replicas bitwise equal (model and optimizer), and
+    the model shards against the reference run's like :func:`check_weights`."""
+
+    from flexrun.testing.shard_states import read_shards, same_state
+
+    result.checked += ["replicas_agree", "final_weights"]
+    got = read_shards(Path(final_dir))
+    if sorted(got) != list(range(shards)):
+        result.add("final_weights", f"final shards {sorted(got)}, expected 0..{shards - 1}")
+        return
+    for i, states in sorted(got.items()):
+        differ = [n for n, st in enumerate(states[1:], 1) if not same_state(states[0], st)]
+        if differ:
+            result.add("replicas_agree", f"shard {i}: replicas {differ} differ from replica 0")
+    result.stats["final_replicas"] = {i: len(v) for i, v in sorted(got.items())}
+    if reference_dir is None:
+        return
+    ref = read_shards(Path(reference_dir))
+    if sorted(ref) != sorted(got):
+        result.add("final_weights", f"reference shards {sorted(ref)}, final {sorted(got)}")
+        return
+    worst = 0.0
+    for i in sorted(got):
+        a, b = got[i][0], ref[i][0]
+        if constant_world and not same_state(a, b):
+            result.add("final_weights", f"shard {i}: not bitwise equal to the reference")
+        if set(a["model"]) != set(b["model"]):
+            result.add("final_weights", f"shard {i}: other tensors than the reference's")
+            continue
+        for k, want in b["model"].items():
+            rel = float((a["model"][k] - want).norm() / want.norm().clamp_min(1e-30))
+            worst = float("inf") if math.isnan(rel) else max(worst, rel)
+    if worst > rtol:
+        result.add("final_weights", f"relative difference {worst:.3g} > {rtol:g}")
+    result.stats["weights_rel_diff"] = worst
+    result.stats["weights_compare"] = "bitwise" if constant_world else f"rtol {rtol:g}"
+
+
 def check_checkpoints(
     ckpt_dir: str,
     *,
@@ -293,6 +345,7 @@ def check_checkpoints(
     from flexrun.errors import CheckpointError
     from flexrun.train.checkpoint import load_weights_only
     from flexrun.train.commit import list_steps, read_latest, verify_checkpoint
+    from flexrun.train.dcp_io import read_safe_metadata
     from flexrun.train.storage import LocalStorage
 
     result.checked.append("checkpoints_intact")
@@ -311,9 +364,12 @@ def check_checkpoints(
         if s in corrupted:
             continue
         try:
-            _, blobs = verify_checkpoint(storage, ckpt_dir, s)
+            manifest, blobs = verify_checkpoint(storage, ckpt_dir, s)
             for name, blob in blobs.items():
-                load_weights_only(blob, what=f"step_{s}/{name}")
+                if manifest.meta.get("kind") != "dcp" or name.endswith(".pt"):
+                    load_weights_only(blob, what=f"step_{s}/{name}")
+                elif name == ".metadata":  # (DCP's: read through flexrun's allow-list)
+                    read_safe_metadata(blob, files=manifest.files)
         except CheckpointError as exc:
             result.add("checkpoints_intact", f"step_{s} (not corrupted by chaos): {exc}")
     saved = sorted(
@@ -331,6 +387,24 @@ def check_checkpoints(
             )
     result.stats["checkpoints"] = steps
     result.stats["latest"] = latest
+
+
+def check_clean_end(
+    steps: list[dict[str, Any]], events: list[dict[str, Any]], result: CheckResult
+) -> None:
+    """Live mode: no worker fails on its own once the last step is trained (one killed by
+    a signal is a fault's; one that exits with an error then is a bug, which the agents'
+    exit codes do not show: the job had finished). A ``job_completed`` violation."""
+    last = max((r["ts"] for r in steps if "ids" in r), default=None)
+    if last is None:
+        return
+    for e in events:
+        if e.get("event") == "failure" and e["ts"] > last and not e.get("signal"):
+            result.add(
+                "job_completed",
+                f"{e.get('worker_id')} exited {e.get('exit_code')} after the last step: "
+                f"{str(e.get('message'))[:200]}",
+            )
 
 
 def check_processes(pids: Iterable[int], result: CheckResult) -> None:
@@ -370,9 +444,11 @@ __all__ = [
     "Violation",
     "attempt_stats",
     "check_checkpoints",
+    "check_clean_end",
     "check_exactly_once",
     "check_processes",
     "check_rounds",
+    "check_shard_states",
     "check_weights",
     "committed_attempts",
     "read_events",

@@ -38,6 +38,17 @@ class LiveDurability:
         self.env = env
         self.events = events
         self._ckpt: Any = None
+        self._save_group: Any = None
+        if env.shards > 1 and checkpoint_dir:
+            # A replica group's asynchronous saves run on a gloo group of their own, formed
+            # over the group's store. Formed now, with the group: formed lazily at the
+            # group's first save, after the store had restarted (the group's store client
+            # does not reconnect), it hung for minutes and then killed the group
+            # (DistNetworkError: Broken pipe; a group becomes the saver when the first
+            # group is lost, so its first save can come long after it formed).
+            import torch.distributed as dist
+
+            self._save_group = dist.new_group(backend="gloo")
         self.saver = True
         """This worker takes part in the saves: the epoch's rank 0 (whole-model replicas)
         or a member of its first replica group (a sharded model: a collective save of the
@@ -64,7 +75,9 @@ class LiveDurability:
 
                 ctx = replace(ctx, rank=self.env.shard, world_size=self.env.shards,
                               run_id=self.env.run_id, backend="gloo")  # fmt: skip
-                self._ckpt = ShardedCheckpointer(self.checkpoint_dir, ctx=ctx, save_rng=False)
+                self._ckpt = ShardedCheckpointer(
+                    self.checkpoint_dir, ctx=ctx, save_rng=False, save_group=self._save_group
+                )
             else:
                 from flexrun.train.checkpoint import Checkpointer
 
@@ -123,9 +136,12 @@ class LiveDurability:
             self._ckpt.wait()
 
     def close(self) -> None:
+        """Wait for the last save; a whole-model Checkpointer also closes (the sharded one
+        has nothing to close: calling its absent ``close()`` made every sharded saver exit
+        1 in ``LiveLoop.close()`` after its last step)."""
         if self._ckpt is None:
             return
         if self.env.shards > 1:
-            self._ckpt.wait()  # (a ShardedCheckpointer holds nothing else to close)
+            self._ckpt.wait()
         else:
             self._ckpt.close()

@@ -95,9 +95,14 @@ class ShardedCheckpointer(RankZero):
         ctx: TrainContext | None = None,
         events: EventLog | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        save_group: Any = None,
         **option_kwargs: Any,
     ) -> None:
-        """Same arguments as :class:`flexrun.train.Checkpointer`; of the options
+        """Same arguments as :class:`flexrun.train.Checkpointer`, and ``save_group``: the
+        asynchronous saves' gloo group over every rank, when the caller has formed it
+        already (None: formed collectively on the first asynchronous save; forming it
+        needs the default group's store, so a caller whose store may restart forms it up
+        front, while the store is known to be there). Of the options
         ``keep_last``, ``keep_every``, ``save_rng`` and the memory tier's
         ``durable_every``, ``memory_dir`` and ``memory_max_bytes`` apply: with
         ``durable_every``, every save stages each rank's own shards into the node's memory
@@ -115,7 +120,7 @@ class ShardedCheckpointer(RankZero):
         self._clock = clock
         self._objects: dict[str, Stateful] = {}
         self._pending: PendingSave | None = None
-        self._save_group: Any = None
+        self._save_group: Any = save_group
         self._verified = VerifiedCache()
         self._setup_events(events)
         self._mem = ShardMemoryTier.open(

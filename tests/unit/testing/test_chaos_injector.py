@@ -62,3 +62,38 @@ def test_agents_never_host_the_store_that_the_injector_restarts() -> None:
     # endpoint's port itself (c10d semantics) and the restarted store fails EADDRINUSE.
     conf = dict(kv.split("=", 1) for kv in RDZV_CONF.split(","))
     assert conf.get("is_host") in ("0", "false")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"launcher": "restart"},
+        {"launcher": "live"},
+        {"launcher": "live", "nproc": 2, "shards": 2},
+    ],
+    ids=["restart", "live", "live_hsdp"],
+)
+def test_the_agents_command_line_hands_every_workload_argument_to_the_script(
+    tmp_path: Path, spec: dict
+) -> None:
+    # The workload's --live abbreviates flexrun run's --live-shards and --live_shards, and
+    # flexrun run (like torchrun's parser) refuses a script argument that abbreviates two
+    # of its options: every live chaos job exited 2 at once after --live-shards came.
+    from flexrun.cli import build_parser
+
+    job = ChaosJob(JobSpec(root=tmp_path, **spec))
+    argv = job.agent_argv("n0")
+    ns = build_parser({}).parse_args(argv[argv.index("run") :])
+    script_at = argv.index(ns.training_script)
+    assert ns.training_script_args == argv[script_at + 1 :]
+    assert int(ns.live_shards or 1) == spec.get("shards", 1)
+
+
+def test_a_sharded_job_is_a_live_one_with_whole_groups_per_agent(tmp_path: Path) -> None:
+    from flexrun.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        JobSpec(root=tmp_path, launcher="restart", nproc=2, shards=2)
+    with pytest.raises(ConfigError):
+        JobSpec(root=tmp_path, launcher="live", nproc=3, shards=2)

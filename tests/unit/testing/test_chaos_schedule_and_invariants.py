@@ -135,3 +135,49 @@ def test_the_last_faults_stall_window_ends_at_the_horizon() -> None:
     assert (stats["first_step_t0"], stats["last_step_ts"]) == (0.9, 7.0)
     # Step 1 (0.9-1.0), step 2's redo opens round 1 (4.9-5.0), steps 3 and 4 follow it.
     assert stats["productive_cycle_s"] == pytest.approx(0.1 + 0.1 + 1.0 + 1.0)
+
+
+def _shard_state(value: float) -> dict:
+    import torch
+
+    w = torch.full((2,), value, dtype=torch.float64)
+    return {"model": {"w": w}, "optim": {0: {"step": torch.tensor(3.0), "exp_avg": w * 2}}}
+
+
+def test_a_sharded_jobs_replicas_must_agree_bitwise_and_match_the_reference(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    final, ref = tmp_path / "final", tmp_path / "ref"
+    final.mkdir()
+    ref.mkdir()
+    for shard, value in ((0, 1.0), (1, 2.0)):
+        torch.save(_shard_state(value), ref / f"shard{shard}-1.pt")
+        for pid in (10, 11):
+            torch.save(_shard_state(value), final / f"shard{shard}-{pid}.pt")
+    ok = inv.CheckResult()
+    inv.check_shard_states(final, ref, shards=2, constant_world=True, result=ok)
+    assert ok.ok, ok.to_dict()
+    assert {"replicas_agree", "final_weights"} <= set(ok.checked)
+    torch.save(_shard_state(2.0 + 1e-12), final / "shard1-11.pt")  # one replica drifted
+    torn = inv.CheckResult()
+    inv.check_shard_states(final, ref, shards=2, constant_world=False, result=torn)
+    assert torn.failed("replicas_agree") and not torn.failed("final_weights"), torn.to_dict()
+    (final / "shard0-10.pt").unlink()
+    (final / "shard0-11.pt").unlink()
+    lost = inv.CheckResult()
+    inv.check_shard_states(final, ref, shards=2, constant_world=False, result=lost)
+    assert lost.failed("final_weights"), lost.to_dict()
+
+
+def test_a_live_worker_failing_with_an_error_after_the_last_step_fails_job_completed() -> None:
+    steps = _clean_run()  # (last step line at ts 7.0)
+    killed = {"event": "failure", "ts": 8.0, "worker_id": "n0.w1", "exit_code": 137,
+              "signal": "SIGKILL", "message": "killed by SIGKILL"}  # fmt: skip
+    during = {**killed, "ts": 6.0, "exit_code": 1, "signal": None, "message": "reset by peer"}
+    ok = inv.CheckResult()
+    inv.check_clean_end(steps, [killed, during], ok)
+    assert ok.ok, ok.to_dict()
+    crashed = {**killed, "exit_code": 1, "signal": None, "message": "AttributeError: close"}
+    bad = inv.CheckResult()
+    inv.check_clean_end(steps, [killed, crashed], bad)
+    assert bad.failed("job_completed") and "AttributeError" in bad.violations[0].detail
