@@ -98,11 +98,8 @@ class ShardedCheckpointer(RankZero):
         save_group: Any = None,
         **option_kwargs: Any,
     ) -> None:
-        """Same arguments as :class:`flexrun.train.Checkpointer`, and ``save_group``: the
-        asynchronous saves' gloo group over every rank, when the caller has formed it
-        already (None: formed collectively on the first asynchronous save; forming it
-        needs the default group's store, so a caller whose store may restart forms it up
-        front, while the store is known to be there). Of the options
+        """As :class:`flexrun.train.Checkpointer`, and ``save_group``: the asynchronous
+        saves' gloo group (None: formed at the first, over the default group's store). Of the options
         ``keep_last``, ``keep_every``, ``save_rng`` and the memory tier's
         ``durable_every``, ``memory_dir`` and ``memory_max_bytes`` apply: with
         ``durable_every``, every save stages each rank's own shards into the node's memory
