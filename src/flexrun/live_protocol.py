@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrun.errors import ConfigError
@@ -91,11 +91,15 @@ class EpochRecord:
     number: int
     members: tuple[str, ...]
     abort: bool
+    round: int = field(default=-1, compare=False)
+    """The rendezvous round whose membership it was computed from (-1: not said). An agent
+    still in an older round does not replace it (:mod:`flexrun.agent.live_epochs`)."""
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {"v": 1, "number": self.number, "members": list(self.members), "abort": self.abort}
-        ).encode()
+        data = {"v": 1, "number": self.number, "members": list(self.members), "abort": self.abort}
+        if self.round >= 0:
+            data["round"] = self.round
+        return json.dumps(data).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> EpochRecord:
@@ -105,19 +109,27 @@ class EpochRecord:
             members = d["members"]
             if not isinstance(members, list):
                 raise TypeError("members is not a list")
-            return cls(int(str(d["number"])), tuple(str(m) for m in members), bool(d["abort"]))
+            return cls(
+                int(str(d["number"])),
+                tuple(str(m) for m in members),
+                bool(d["abort"]),
+                int(str(d.get("round", -1))),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed epoch record: {exc}") from exc
 
 
-def next_epoch(current: EpochRecord | None, members: Sequence[str]) -> EpochRecord | None:
-    """The epoch that follows ``current`` when the job's live workers are ``members``
-    (None: nothing to publish, no members or no change). It aborts when a member of
-    ``current`` is missing; a grown membership switches at a step boundary instead."""
+def next_epoch(
+    current: EpochRecord | None, members: Sequence[str], round: int = -1
+) -> EpochRecord | None:
+    """The epoch that follows ``current`` when the job's live workers are ``members``, as of
+    rendezvous round ``round`` (None: nothing to publish, no members or no change). It
+    aborts when a member of ``current`` is missing; a grown membership switches at a step
+    boundary instead."""
     if not members or (current is not None and current.members == tuple(members)):
         return None
     abort = current is not None and any(w not in members for w in current.members)
-    return EpochRecord((current.number + 1) if current else 1, tuple(members), abort)
+    return EpochRecord((current.number + 1) if current else 1, tuple(members), abort, round)
 
 
 @dataclass(frozen=True, slots=True)

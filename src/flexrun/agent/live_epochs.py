@@ -2,8 +2,10 @@
 
 Owns every store access of an agent in live mode, through the records of
 :mod:`flexrun.live_protocol`: publishing which of this node's workers are included,
-publishing the next membership epoch (by compare-and-set: every agent computes the same
-list, the first writer wins) and telling whether any living worker can still hold the
+publishing the next membership epoch (by compare-and-set: every agent of a round computes
+the same list, the first writer wins; an agent still in an older round than the epoch's
+leaves it alone, or two agents whose rounds differ would replace each other's epoch every
+few milliseconds until the older one caught up) and telling whether any living worker can still hold the
 current epoch's state. The processes themselves are :mod:`flexrun.agent.live`'s.
 
 A restarted store has lost these records. Each node notices its own record missing and
@@ -97,10 +99,12 @@ class EpochPublisher:
         members = [w for m in rnd.members for w in records.get(m.node_id, ())]
         entry = self.store.get(self.keys.epoch)
         current = self._note(_decode(entry))
+        if current is not None and current.round > rnd.number:
+            return  # (published from a newer round than this node's: its round follows)
         if current is None and self._known is not None:
             rec = self._restored(rnd, records, members)
         else:
-            rec = next_epoch(current, members)
+            rec = next_epoch(current, members, rnd.number)
             if not self._formed_seen and current is not None:
                 self.formed()
         if rec is None:
@@ -135,7 +139,9 @@ class EpochPublisher:
             return None
         if self._formed_seen:
             self.store.put(self.keys.formed, str(known.number).encode())
-        rec = next_epoch(known, members) or EpochRecord(known.number + 1, known.members, False)
+        rec = next_epoch(known, members, rnd.number) or EpochRecord(
+            known.number + 1, known.members, False, rnd.number
+        )
         log.warning(
             "the store lost the live epoch (restarted?): publishing epoch %d again as %d",
             known.number,

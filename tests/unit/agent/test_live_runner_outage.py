@@ -184,3 +184,31 @@ def test_a_restarted_store_gets_the_node_records_and_an_epoch_above_the_last_aga
     a.publish(r, ["a.w1"])
     assert epoch(store) == rec  # published once
     assert "live_epoch_restored" in [e["event"] for e in events_of(tmp_path / "b")]
+
+
+@pytest.mark.timeout(10)
+def test_an_agent_still_in_an_older_round_leaves_a_newer_rounds_epoch_alone(
+    tmp_path: Path,
+) -> None:
+    """After c left, b's round (6) no longer has c while a is still in round 5 with it: a
+    must not put c's workers back over b's epoch (the two would replace each other's
+    epoch at every poll until a's round caught up: an epoch storm); once a is in round
+    6 it agrees, and nothing more is published."""
+    store = SwitchedStore()
+    a, b = publisher(tmp_path, store, "a"), publisher(tmp_path, store, "b")
+    old, new = rnd(5, ("a", 1), ("b", 1), ("c", 1)), rnd(6, ("a", 1), ("b", 1))
+    c = publisher(tmp_path, store, "c")
+    for node, who in ((a, "a.w1"), (b, "b.w1"), (c, "c.w1")):
+        node.publish(old, [who])
+    three = epoch(store)
+    assert three.members == ("a.w1", "b.w1", "c.w1") and three.round == 5
+    # c is gone (SIGTERMed: its record still names its worker); b's round 6 knows it.
+    b.publish(new, ["b.w1"])
+    two = epoch(store)
+    assert two.number == three.number + 1 and two.members == ("a.w1", "b.w1") and two.abort
+    for _ in range(5):
+        a.publish(old, ["a.w1"])  # (a's view: c still there)
+        b.publish(new, ["b.w1"])
+    assert epoch(store) == two and epoch(store).round == 6
+    a.publish(new, ["a.w1"])
+    assert epoch(store) == two
