@@ -352,9 +352,17 @@ def restart_trial(
             raise PartFailed(
                 f"{launcher}: the workers never trained {warm_steps} steps:\n{_tail(procs.logs['launcher'])}"
             )
-        if launcher == "flexrun":  # the pool is refilled once the workers run: wait for one
+        if launcher == "flexrun":
+            # The pool fills once the workers run; a restart replaces every local worker, so
+            # wait for one spare each (with fewer, the victim's replacement may be forked after
+            # the kill: warm, but not a process that existed before it).
             out["spare_ready_before_kill"] = bool(
-                br.poll(lambda: br.ready_spares(d / "run"), time.monotonic() + 180, procs, watch=p)
+                br.poll(
+                    lambda: br.ready_spares(d / "run") >= nproc,
+                    time.monotonic() + 180,
+                    procs,
+                    watch=p,
+                )
             )
             rows = _rows(progress)
         victim_rank = nproc - 1
