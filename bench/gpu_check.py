@@ -152,6 +152,16 @@ def _created_at() -> float:
     return time.time() - (uptime_s - start_s)
 
 
+def _descendants(pid: int) -> set[int]:
+    """The PIDs of every process below ``pid`` now."""
+    import psutil
+
+    try:
+        return {k.pid for k in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
 def restart_worker(a: argparse.Namespace) -> None:
     created = _created_at()
     import torch
@@ -368,6 +378,7 @@ def restart_trial(
         victim_rank = nproc - 1
         victim = max((r for r in rows if r["rank"] == victim_rank), key=lambda r: r["ts"])["pid"]
         old = {r["pid"] for r in rows}
+        before = _descendants(p.pid)  # (a warm spare is one of them: a process before the kill)
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
 
@@ -395,10 +406,11 @@ def restart_trial(
             "group_init": round(ph["group_ready"] - ph["device_ready"], 4),
             "first_step": round(ph["first_step"] - ph["group_ready"], 4),
         }
-        # A process that existed before the kill is a warm spare. create_time has a clock
-        # tick's resolution (10 ms), hence the margin; a spare forked from the pool's zygote is
-        # created in milliseconds, often well under 0.1 s before a kill that waits for it.
-        out["warm_process"] = ph["process_created"] < t_kill - 0.02
+        # A process that existed before the kill is a warm spare: judged by its PID among the
+        # launcher's descendants just before the kill, not by its start time (a clock tick's
+        # resolution, 10 ms, while a spare forked from the pool's zygote can be ready within
+        # milliseconds of the kill that waits for it: 11 ms once here, under load).
+        out["warm_process"] = first_row["pid"] in before
         out["cuda_initialized_before_script"] = any(
             r["cuda_initialized_before_script"] for r in new_rows
         )
