@@ -156,6 +156,7 @@ class LiveRunner(LoopProgress):
         clock: Clock = SYSTEM_CLOCK,
         wake: Callable[[], None] | None = None,
     ) -> None:
+        super().__init__()
         self.config = config
         self.node = node_id
         self._exits = ExitClock([], wake)  # (wakes the agent's loop when a worker exits)

@@ -48,22 +48,22 @@ class LoopProgress:
     Live failures never count as a crash loop (the survivors' steps are not counted per
     failure)."""
 
-    first_loop: float | None = None
-    lost: float = 0.0
-    _lost_read: float | None = None  # (monotonic: when the reports were last read)
-    _lost_seen: set[Path] | None = None
+    def __init__(self) -> None:
+        self.first_loop: float | None = None
+        self.lost = 0.0
+        self._read_at: dict[Path, float] = {}  # (each heartbeat file: when last read, monotonic)
 
     def saw_loop(self, mono: float, heartbeat: Path | None = None) -> bool:
         """A worker is in the loop at ``mono`` (monotonic), its heartbeat file
         ``heartbeat`` read for its report every :data:`LOST_READ_S`; returns True."""
         if self.first_loop is None:
             self.first_loop = mono
-        if heartbeat is not None:
-            if self._lost_read is None or mono - self._lost_read >= LOST_READ_S:
-                self._lost_read, self._lost_seen = mono, set()
-            if self._lost_seen is not None and heartbeat not in self._lost_seen:
-                self._lost_seen.add(heartbeat)
-                self.lost = max(self.lost, reported_lost(heartbeat))
+        if (
+            heartbeat is not None
+            and mono - self._read_at.get(heartbeat, -LOST_READ_S) >= LOST_READ_S
+        ):
+            self._read_at[heartbeat] = mono
+            self.lost = max(self.lost, reported_lost(heartbeat))
         return True
 
     def lost_s(self) -> float:
