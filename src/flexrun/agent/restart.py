@@ -43,9 +43,12 @@ compete with the workers' own start-up (interpreter and torch import) for CPU. W
 came from spares have no such start-up: the pool is refilled at once after them (otherwise
 a round that fails within the delay, as under a stream of faults, waits a whole spare boot
 (interpreter and ``import torch``) for its replacement)."""
-SPARE_BOOT_WAIT_S = 10.0
+SPARE_BOOT_WAIT_S = 60.0
 """A spare still importing torch will be ready before a process started now: wait this long
-(in all, for the round's ranks together)."""
+(in all, for the round's ranks together; at once when none is booting) before starting
+workers cold. As long as live mode's: on an overloaded node the zygote's imports may take
+more than 10 s, and cold workers started beside it only add their own imports to the load;
+the bound is for an import that hangs."""
 
 
 class RestartRunner:
