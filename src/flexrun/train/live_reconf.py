@@ -18,10 +18,12 @@ group (a world of 1, under a new id) instead of re-forming that one; the old one
 like the fresh path's old groups.
 
 Falling back: if torch's reconfigure itself fails (an error, or no completion within the
-timeout while the epoch stands), the worker emits ``live_group_fallback``, stops posting a
-handle, and so every later epoch it is in forms fresh groups (an epoch re-forms in place
-only when every member posted a handle). It does not exchange reports or decide
-membership (``flexrun.train.live_group``).
+timeout while the epoch stands), the worker emits ``live_group_fallback`` and forms a fresh
+group for that same epoch (a cause shared by every member, such as a restarted store that
+broke the group's store connection, sends them all there together), then stops posting a
+handle, so every later epoch it is in forms fresh groups too (an epoch re-forms in place only
+when every member posted a handle). It does not exchange reports or decide membership
+(``flexrun.train.live_group``).
 """
 
 from __future__ import annotations
@@ -124,11 +126,11 @@ class InPlaceGroups:
     ) -> Any:
         """Re-form the group around ``handles`` (rank = position) for epoch ``number`` and
         return it; None (make a fresh group) unless every member posted a handle and this
-        worker is on the in-place path.
+        worker is on the in-place path, or when the reconfigure failed (then this worker
+        leaves the in-place path: ``live_group_fallback``).
 
         Raises:
-            LiveAborted: a newer epoch superseded ``number`` meanwhile, or the reconfigure
-                failed (then this worker leaves the in-place path: ``live_group_fallback``).
+            LiveAborted: a newer epoch superseded ``number`` meanwhile.
         """
         self.formed = FRESH
         if not (handles and self.active and all(h is not None for h in handles)):
@@ -154,7 +156,7 @@ class InPlaceGroups:
             work.wait()
         except (RuntimeError, TimeoutError) as exc:
             self._fail(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-            raise LiveAborted(f"epoch {number}'s group did not re-form: {exc}") from exc
+            return None
         self.formed = RECONFIGURE
         return self._pg
 

@@ -63,3 +63,21 @@ def test_an_epoch_with_a_member_that_posted_no_handle_forms_fresh() -> None:
         emit=lambda kind, **f: None)  # fmt: skip
     assert groups.form(2, ["gloo:1:-1:1:h:1", None], lambda: False) is None
     assert groups.formed == FRESH and groups.active
+
+
+@pytest.mark.skipif(unsupported_reason(True) is not None, reason="needs torch >= 2.14")
+@pytest.mark.timeout(60)
+def test_a_reconfigure_that_fails_falls_back_to_a_fresh_group_for_good_with_an_event() -> None:
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5))
+    seen: list[tuple[str, dict[str, Any]]] = []
+    groups = InPlaceGroups(enabled=True, timeout_s=1.0, namespace="x/", raw_store=lambda: store,
+        emit=lambda kind, **f: seen.append((kind, f)))  # fmt: skip
+    mine = groups.handle()
+    assert mine is not None and mine.startswith("gloo:")
+    # A member that never comes: the re-form cannot complete within the timeout.
+    assert groups.form(3, [mine, "gloo:999:-1:999:127.0.0.1:1"], lambda: False) is None
+    assert [k for k, _ in seen] == ["live_group_path", "live_group_fallback"]
+    assert seen[-1][1]["group_path"] == FRESH and not groups.active
+    assert groups.handle() is None and groups.formed == FRESH
