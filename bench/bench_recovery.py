@@ -985,6 +985,13 @@ def main() -> int:
         "at start (e.g. transformers,lightning); columns: flexrun restart with and without "
         "--spare-preload of them, torchrun",
     )
+    ap.add_argument(
+        "--live-fresh",
+        action="store_true",
+        help="kill -9 columns: live mode with its default groups (in place on torch >= 2.14) "
+        "beside the same with FLEXRUN_LIVE_RECONFIGURE=0 (a fresh group per epoch), and "
+        "torchrun; no restart-mode column",
+    )
     bench_hsdp.add_args(ap)
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
@@ -1085,6 +1092,33 @@ def bench_recovery(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
         "torchrun (SHARE_RDZV_TCP_STORE off)", "torchrun", dict(SHARE_OFF), timeout=a.trial_timeout
     )
     launchers = [restart, live1, live0, torch_ok]
+    fresh: list[Launcher] = []
+    if a.live_fresh:
+        # torch >= 2.14: live mode re-forms its groups in place; the same columns with that
+        # turned off (FLEXRUN_LIVE_RECONFIGURE=0) make a fresh group per epoch, as on older torch.
+        from flexrun.train.live_reconf import unsupported_reason
+
+        why = unsupported_reason(True)
+        print(f"  live default groups: {'in place' if why is None else why}", flush=True)
+        tag = ", in-place groups)" if why is None else ", default groups)"
+        live1.name, live0.name = (ln.name[:-1] + tag for ln in (live1, live0))
+        off = {"FLEXRUN_LIVE_RECONFIGURE": "0"}
+        fresh = [
+            Launcher(
+                "flexrun live (warm spare, fresh groups)",
+                "live",
+                dict(off),
+                timeout=a.trial_timeout,
+            ),  # fmt: skip
+            Launcher(
+                "flexrun live (--warm-spares 0, fresh groups)",
+                "live",
+                dict(off),
+                timeout=a.trial_timeout,
+                spares=0,
+            ),  # fmt: skip
+        ]
+        launchers = [live1, fresh[0], live0, fresh[1], torch_ok]
     preload = restart
     if a.libs:
         # A library's script: what its imports cost a restart, with and without preloading.
@@ -1181,13 +1215,16 @@ def bench_recovery(a: argparse.Namespace, base: Path, lines: list[str]) -> int:
             f"target <= {limit:.2f}x{extra}, all trials ok: {v}"
         )
 
-    verdict(restart, 0.6)  # issue 2
+    if not a.live_fresh:
+        verdict(restart, 0.6)  # issue 2
     if a.libs:
         verdict(preload, 0.3)  # issue 36: a library's script recovers as a torch-only one
     else:
         verdict(live1, 0.2, max_steps=1)  # issue 5
         verdict(live0, 0.2, max_steps=1)  # issue 5
-    sf = [o.spawn for o in results[restart.name] if o.ok and o.spawn is not None]
+        for ln in fresh:
+            verdict(ln, 0.2, max_steps=1)
+    sf = [o.spawn for o in results.get(restart.name, []) if o.ok and o.spawn is not None]
     st = [o.spawn for o in results[torch_ok.name] if o.ok and o.spawn is not None]
     if sf and st:
         lines.append(

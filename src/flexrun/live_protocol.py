@@ -12,7 +12,8 @@ without I/O except the heartbeat file helpers. The three channels:
   ``nodes/<node_id>`` = a node's included workers (:class:`NodeWorkers`, agents only),
   ``formed`` (some epoch has formed: a worker once held state), ``done`` (the last step
   was committed), and per epoch ``e/<n>/``: the members' arrival reports
-  (``ready/<rank>``, :class:`MemberReport`) and the epoch's process-group namespace.
+  (``ready/<rank>``, :class:`MemberReport`) and the epoch's process-group namespace;
+  ``reconf/`` holds the in-place groups' keys and id counter (torch >= 2.14).
 - **Heartbeat file** (worker -> agent, per worker): touched every interval while the
   worker is in the loop; its content starts with :data:`STATE_MARK` once the worker holds
   live state (has joined an epoch). The agent judges a worker by the file's age.
@@ -44,6 +45,8 @@ ENV_HEARTBEAT_INTERVAL = "FLEXRUN_LIVE_HEARTBEAT_INTERVAL"
 ENV_SHARDS = "FLEXRUN_LIVE_SHARDS"
 ENV_GROUP = "FLEXRUN_LIVE_GROUP"
 ENV_SHARD = "FLEXRUN_LIVE_SHARD"
+ENV_RECONFIGURE = "FLEXRUN_LIVE_RECONFIGURE"
+"""``0``: never re-form live groups in place (torch >= 2.14), always a fresh group."""
 
 
 class LiveKeys:
@@ -166,6 +169,9 @@ class MemberReport:
     lost_s: float = 0.0
     """Training time the job's disruptions cost so far, as it judged them
     (:mod:`flexrun.train.live_goodput`)."""
+    handle: str | None = None
+    """Its process group's reconfigure handle (in-place path, :mod:`flexrun.train.live_reconf`;
+    None: this member forms a fresh group)."""
 
     def encode(self) -> str:
         data: dict[str, object] = {"step": self.step, "has_state": self.has_state}
@@ -175,6 +181,8 @@ class MemberReport:
             data["group"], data["shard"] = self.group, self.shard
         if self.lost_s:
             data["lost_s"] = round(self.lost_s, 4)
+        if self.handle is not None:
+            data["handle"] = self.handle
         return json.dumps(data)
 
     @classmethod
@@ -182,7 +190,7 @@ class MemberReport:
         """Raises ValueError on a malformed report."""
         d = _json_object(raw, "member report")
         try:
-            checksum, group = d.get("checksum"), d.get("group")
+            checksum, group, handle = d.get("checksum"), d.get("group"), d.get("handle")
             return cls(
                 int(str(d["step"])),
                 bool(d["has_state"]),
@@ -190,6 +198,7 @@ class MemberReport:
                 str(group) if group is not None else None,
                 int(str(d.get("shard", 0))),
                 _seconds(d.get("lost_s", 0.0)),
+                str(handle) if handle is not None else None,
             )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed member report: {exc}") from exc
@@ -226,6 +235,9 @@ class LiveEnv:
     each time the agent replaces the group (sharded jobs; "" otherwise)."""
     shard: int = 0
     """This worker's shard index within its group."""
+    reconfigure: bool = True
+    """Re-form the epoch's group in place where torch can (``FLEXRUN_LIVE_RECONFIGURE=0``:
+    never)."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> LiveEnv:
@@ -249,6 +261,7 @@ class LiveEnv:
                 shards=int(env.get(ENV_SHARDS, "1")),
                 group=env.get(ENV_GROUP, ""),
                 shard=int(env.get(ENV_SHARD, "0")),
+                reconfigure=env.get(ENV_RECONFIGURE, "1") != "0",
             )
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"live-mode environment incomplete or malformed: {exc}") from exc

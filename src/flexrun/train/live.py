@@ -378,14 +378,14 @@ class LiveLoop:
                 state_checksum(self.model) if self.has_state else None,
             )
         )
-        report = replace(report, lost_s=self.lost.lost_s)
+        report = replace(report, lost_s=self.lost.lost_s, handle=self.group.inplace.handle())
         reports = self.group.agree(rec, report, has_state=self.has_state)
         self.lost.adopt(max(r.lost_s for r in reports))
         if sh is not None:
             layout, plan = sh.plan(reports, formed=self.group.formed_before())
         else:
             plan = plan_recovery(reports, formed=self.group.formed_before())
-        self.rank, self.world_size = self.group.form(rec)
+        self.rank, self.world_size = self.group.form(rec, [r.handle for r in reports])
         self.durable.saver = self.rank in layout.groups[0] if sh is not None else self.rank == 0
         if sh is not None:
             # (shard i of every group: this shard's gradient sum and state transfer)
@@ -434,6 +434,7 @@ class LiveLoop:
             checksum=state_checksum(self.model),
             duration_s=round(time.monotonic() - t0, 4),
             reason=reason,
+            group_path=self.group.inplace.formed,
         )
         self._mark()  # (this worker holds live state: see LiveSupervisor)
         if first:

@@ -3,8 +3,10 @@
 Owns the worker's side of the epoch protocol: what the agent tells a live worker
 (``LiveEnv``), reading ``live/epoch``, noticing an aborting or growing epoch while a
 collective runs, waiting for an epoch that includes this worker, the members' arrival and
-report exchange under the epoch's own store prefix, and a fresh ``ProcessGroupGloo`` per
-epoch (old groups are leaked, never aborted or destroyed). It does not decide whose state
+report exchange under the epoch's own store prefix, and the epoch's process group: a fresh
+``ProcessGroupGloo`` per epoch (old groups are leaked, never aborted or destroyed), or the
+worker's one group re-formed in place where torch can (``flexrun.train.live_reconf``, the
+path chosen at start and named in the ``live_group_path`` event). It does not decide whose state
 wins (``flexrun.train.live_plan``), move state (``flexrun.train.live_sync``) or run the
 step loop (``flexrun.train.live``).
 
@@ -41,6 +43,7 @@ from flexrun.live_protocol import EpochRecord, LiveEnv, LiveKeys, MemberReport
 from flexrun.store.factory import connect_from_env
 from flexrun.store.signed import report_to
 from flexrun.store.tcp_server import probe
+from flexrun.train.live_reconf import InPlaceGroups
 from flexrun.train.live_sync import leak
 
 log = logging.getLogger("flexrun.train.live")
@@ -77,12 +80,13 @@ class EpochGroup:
         self.events = events
         self.down_since: float | None = None
         """When the store became unreachable (None: reachable)."""
-
         self.store = connect_from_env(
             env.store_host, env.store_port, os.environ if environ is None else environ
         )
         report_to(self.store, self._rejected)
         self._raw = self._connect_raw()
+        self.inplace = InPlaceGroups(enabled=env.reconfigure, timeout_s=timeout_s,
+            namespace=self.keys.root + "reconf/", raw_store=lambda: self._raw, emit=self._emit)  # fmt: skip
 
     def _connect_raw(self) -> Any:
         return dist.TCPStore(
@@ -171,6 +175,7 @@ class EpochGroup:
             LiveAborted: the collective failed, timed out, or the epoch ended under it.
         """
         deadline = time.monotonic() + self.timeout_s
+        self.inplace.inflight = work  # (if abandoned, it may hold an in-place group's thread)
         while True:
             if work.is_completed():
                 try:
@@ -189,6 +194,7 @@ class EpochGroup:
     def abandon(self) -> None:
         """Give up the current process group and its subgroups (leaked: see
         ``live_sync.leak``)."""
+        self.inplace.abandoned()
         for pg in [self.pg, *self._subgroups]:
             if pg is not None:
                 self._abandoned.append(pg)
@@ -322,8 +328,9 @@ class EpochGroup:
             raise StoreUnavailable(f"store failed during agreement: {exc}") from exc
         return prefix
 
-    def form(self, rec: EpochRecord) -> tuple[int, int]:
-        """A fresh process group for epoch ``rec`` (after ``agree``); returns (rank, world).
+    def form(self, rec: EpochRecord, handles: list[str | None] | None = None) -> tuple[int, int]:
+        """Epoch ``rec``'s group (after ``agree``), re-formed in place when every member
+        posted a handle (``handles``, rank order), else fresh; returns (rank, world).
 
         Raises:
             LiveAborted: the group could not form (a member or the store went away).
@@ -331,7 +338,8 @@ class EpochGroup:
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
         prefix = self._prefix or dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
         self._prefix = None
-        self.pg = _gloo(prefix, rank, world, self.timeout_s, f"epoch {rec.number}'s group")
+        pg = self.inplace.form(rec.number, handles or [], lambda: _newer(self, rec.number))
+        self.pg = pg or _gloo(prefix, rank, world, self.timeout_s, f"epoch {rec.number}'s group")
         self.epoch = rec
         self.pending_change = False
         return rank, world
@@ -346,6 +354,15 @@ class EpochGroup:
 
     def mark_done(self, steps: int) -> None:
         self._patiently(lambda: self.store.put(self.keys.done, str(steps).encode()))
+
+
+def _newer(group: EpochGroup, number: int) -> bool:
+    """An epoch newer than ``number`` is published (False while the store is away)."""
+    try:
+        latest = group.read_epoch()
+    except StoreUnavailable:
+        return False
+    return latest is not None and latest.number > number
 
 
 def _gloo(prefix: Any, rank: int, world: int, timeout_s: float, what: str) -> Any:
