@@ -3,8 +3,8 @@
 At the end of a run the summary lists, for each test directory, the summed durations of its
 tests (setup, call and teardown), the CPU they used (the test process's own and that of every
 process it started and reaped: agents, workers, servers) and how many ran; then the tests
-that used the most CPU. On 2-core CI machines the suite is CPU-bound (four pytest-xdist
-workers keep both cores busy), so its wall time is about its CPU over two: CPU, not
+that used the most CPU. On 2-core CI machines the suite is CPU-bound (three pytest-xdist
+workers keep both cores nearly busy), so its wall time is about its CPU over two: CPU, not
 duration, says what to make cheaper first. With pytest-xdist the sums are of all workers'
 time, so they add up to more than the wall time. A process that is not reaped by the test
 (a daemon another process owns, e.g. slurmd's job steps) is not counted.
