@@ -73,12 +73,15 @@ def test_a_live_job_keeps_its_worker_pids_and_trains_on_through_a_10s_store_rest
     # The membership protocol works on the restarted store: a second node joins.
     t_join = time.time()
     start_live_node(procs, f"127.0.0.1:{port}", "b", progress, "--warm-spares", "0", nproc=2)
-    wait_for(
-        lambda: any(r["world"] == 4 for r in steps_after(progress, t_join)),
-        120,
-        "node b to join after the restart",
-    )
-    assert set(pids) <= {r["pid"] for r in steps_after(progress, t_join) if r["world"] == 4}
+
+    def four() -> list[dict]:
+        rows = [r for r in steps_after(progress, t_join) if r["world"] == 4]
+        return rows if len({r["rank"] for r in rows}) == 4 else []
+
+    # (every member of the world of 4 stepped, not the first to write: one rank's row
+    # can come before the others')
+    rows = wait_for(four, 120, "all four ranks to train after node b joined")
+    assert set(pids) <= {r["pid"] for r in rows}  # type: ignore[attr-defined]
     assert a.poll() is None
 
 
