@@ -15,9 +15,12 @@ script, not the spare). What makes an interpreter warm (torch) is its entry poin
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import runpy
 import socket
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from typing import IO
@@ -90,6 +93,8 @@ def _become_worker(task: Assignment, prepare: Prepare | None) -> int:
             # a controlling terminal (this process leads its session).
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOCTTY
             target = os.open(stream, flags, 0o600)
+            if task.private_output and stat.S_ISFIFO(os.fstat(target).st_mode):
+                _remove_private(stream)
             os.dup2(target, fd)
             os.close(target)
     # (as flexrun.proc.spawn.build_command starts a fresh one; before the environment is
@@ -110,6 +115,18 @@ def _become_worker(task: Assignment, prepare: Prepare | None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(task.entry)))
         runpy.run_path(task.entry, run_name="__main__")
     return 0
+
+
+def _remove_private(fifo: str) -> None:
+    """Remove a private FIFO this worker has open, and its directory once empty: the
+    agent removes them when the worker ends, unless it was killed first (kill -9)."""
+    with contextlib.suppress(FileNotFoundError):  # (the agent's cleanup came first)
+        os.unlink(fifo)
+    try:
+        os.rmdir(os.path.dirname(fifo))
+    except OSError as exc:  # (not empty: the other stream's FIFO is still there)
+        if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT):  # (a leftover, not a failure)
+            print(f"flexrun spare: could not remove {fifo}'s directory: {exc}", file=sys.stderr)
 
 
 # -- a warm agent becomes a `flexrun run` ---------------------------------------------------

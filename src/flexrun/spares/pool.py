@@ -254,6 +254,7 @@ def assign(
         stderr=logs.get("stderr"),
         # Started by the node's daemon, not by us: it must die with this agent.
         agent_pid=os.getpid() if isinstance(w.proc, AdoptedProcess) else None,
+        private_output=w.output is not None,
     )
     assert w.proc.stdin is not None
     try:

@@ -382,6 +382,9 @@ class Assignment:
     stderr: str | None = None
     agent_pid: int | None = None
     """Set for a spare the agent did not start: die with that pid instead of the parent."""
+    private_output: bool = False
+    """``stdout``/``stderr`` that are FIFOs are the agent's private ones
+    (``proc.drain.output_paths``): remove them, and their directory, once open."""
 
     def encode(self) -> bytes:
         return encode(
@@ -394,6 +397,7 @@ class Assignment:
                 "stdout": self.stdout,
                 "stderr": self.stderr,
                 "agent_pid": self.agent_pid,
+                "private_output": self.private_output,
             }
         )
 
@@ -413,6 +417,7 @@ def parse_assignment(line: bytes) -> Assignment:
         stdout=_field(obj, "stdout", str, what, None),
         stderr=_field(obj, "stderr", str, what, None),
         agent_pid=agent_pid if agent_pid else None,
+        private_output=_field(obj, "private_output", bool, what, False),
     )
 
 

@@ -13,6 +13,8 @@ import pytest
 from spares_support import FAKE_SPARE
 from support import wait_for
 
+from flexrun.proc import Worker
+from flexrun.proc.drain import Console
 from flexrun.spares.pool import WarmPool, assign
 from flexrun.testing import FakeClock
 
@@ -36,6 +38,17 @@ def _pool(pools: list[WarmPool], tmp: Path, size: int, **kw: object) -> WarmPool
     pool = WarmPool(size, os.environ, tmp / "pool", spare_command=FAKE_SPARE, **kw)  # type: ignore[arg-type]
     pools.append(pool)
     return pool
+
+
+def _taken_with_script(pools: list[WarmPool], tmp: Path) -> tuple[Worker, Path]:
+    """A ready spare taken from a pool of one, and SCRIPT written for it to run."""
+    pool = _pool(pools, tmp, 1)
+    pool.fill()
+    w = pool.take(wait_s=30)
+    assert w is not None
+    script = tmp / "w.py"
+    script.write_text(SCRIPT)
+    return w, script
 
 
 def test_take_waits_for_a_booting_spare_and_hands_each_out_once(
@@ -92,12 +105,7 @@ def test_dead_spares_are_skipped_then_replaced_and_trim_stops_the_extra(
 def test_an_assigned_spare_runs_the_script_as_a_fresh_worker_would(
     tmp_path: Path, pools: list[WarmPool]
 ) -> None:
-    pool = _pool(pools, tmp_path, 1)
-    pool.fill()
-    w = pool.take(wait_s=30)
-    assert w is not None
-    script = tmp_path / "w.py"
-    script.write_text(SCRIPT)
+    w, script = _taken_with_script(pools, tmp_path)
     out = tmp_path / "out.json"
     work = tmp_path / "work"
     work.mkdir()
@@ -128,6 +136,34 @@ def test_an_assigned_spare_runs_the_script_as_a_fresh_worker_would(
     assert title == f"{sys.executable} -u {script} {out} 3", got["cmdline"]
     assert (log_dir / "stdout.log").read_text() == "hello from the worker\n"
     assert (w.rank, w.local_rank, w.log_dir) == (3, 0, log_dir)
+
+
+def test_a_spare_removes_the_agents_private_fifos_once_it_opened_them(
+    tmp_path: Path, pools: list[WarmPool]
+) -> None:
+    """An agent killed with kill -9 never removes the FIFO directory it made for a spare's
+    output: the spare removes it as soon as it has both ends open, and the drain still
+    gets every line."""
+    w, script = _taken_with_script(pools, tmp_path)
+    log_dir = tmp_path / "rank_0"
+    assign(
+        w,
+        env=dict(os.environ),
+        entry=str(script),
+        args=[str(tmp_path / "out.json"), "0"],
+        module=False,
+        rank=0,
+        local_rank=0,
+        log_dir=log_dir,
+        console=Console(),
+    )
+    assert w.output is not None and w.output._private is not None
+    private = w.output._private
+    assert w.proc.wait(timeout=30) == 0
+    assert not private.exists()  # gone before the agent's own cleanup ran
+    assert w.output.wait_eof(5)
+    w.output.close()
+    assert (log_dir / "stdout.log").read_text() == "hello from the worker\n"
 
 
 def test_a_module_entry_point_is_found_on_the_workers_pythonpath(

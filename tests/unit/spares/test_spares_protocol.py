@@ -133,6 +133,7 @@ def test_assignments_and_handovers_round_trip_and_refuse_wrong_types() -> None:
         cwd="/",
         stdout="/x/stdout.log",
         agent_pid=7,
+        private_output=True,
     )
     assert parse_assignment(task.encode()) == task
     raw = json.loads(task.encode())
@@ -144,6 +145,7 @@ def test_assignments_and_handovers_round_trip_and_refuse_wrong_types() -> None:
         ("module", "yes"),
         ("agent_pid", "7"),
         ("cwd", None),
+        ("private_output", "yes"),
     ):
         with pytest.raises(SparesProtocolError):
             parse_assignment(json.dumps({**raw, key: value}).encode())
