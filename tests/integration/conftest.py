@@ -1,3 +1,3 @@
 """Fixtures for integration tests (helpers live in ``support.py``, imported by name)."""
 
-from support import endpoint, procs, store_server  # noqa: F401
+from support import endpoint, procs, shared_runs, store_server  # noqa: F401

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
 import torch
-from support import Procs, endless, read_events, read_progress, wait_for
+from support import Procs, SharedRuns, endless, read_events, read_progress, wait_for
 
 LIVE_STEPS = Path(__file__).parent / "scripts" / "live_steps.py"
 HB = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=0.5,join_timeout=60"
@@ -135,10 +137,17 @@ def assert_at_most_step_in_flight_redone(run: Path, recoveries: int) -> None:
     assert all(n <= recoveries for n in redone.values()), redone
 
 
-def reference_weights(procs: Procs, steps: int, nproc: int = 4) -> dict[str, torch.Tensor]:
-    agent, run = start_live(procs, "reference", steps=steps, nproc=nproc, spares=0)
-    assert agent.wait(timeout=240) == 0, procs.stderr("reference")[-2000:]
-    return torch.load(run / "w.pt", weights_only=True)
+def reference_weights(shared: SharedRuns, steps: int, nproc: int = 4) -> dict[str, torch.Tensor]:
+    """The final weights of a fault-free live run of ``steps`` (made once per session)."""
+
+    def make(procs: Procs) -> Path:
+        agent, run = start_live(procs, "reference", steps=steps, nproc=nproc, spares=0)
+        assert agent.wait(timeout=240) == 0, procs.stderr("reference")[-2000:]
+        return run / "w.pt"
+
+    group_path = os.environ.get("FLEXRUN_LIVE_RECONFIGURE", "default")
+    path = shared.get(f"live-{steps}-{nproc}-{group_path}", make)
+    return torch.load(path, weights_only=True)
 
 
 def spare_ready(run: Path) -> bool:
@@ -174,3 +183,29 @@ def assert_survivors_agree_so_far(run: Path) -> None:
     for e in joined:
         by_epoch.setdefault(e["epoch"], set()).add(e["checksum"])
     assert all(len(s) == 1 for s in by_epoch.values()), by_epoch
+
+
+def kill_a_worker_beside_a_warm_spare(  # type: ignore[no-untyped-def]
+    procs: Procs, agent, run: Path, steps: int, reference: dict[str, torch.Tensor]
+) -> None:
+    """The one-kill live scenario on a job from :func:`start_live` (named ``killed``): once
+    it trains and a warm spare is ready, kill -9 of rank 1; the job ends 0 with the
+    survivors' PIDs still stepping at the end in a world of 4, the spare given state by a
+    peer, at most the step in flight redone, and final weights bitwise ``reference``."""
+    pids = live_workers(run / "run", 4)
+    wait_step(run, 5)
+    wait_for(lambda: spare_ready(run), 90, "a warm spare to be ready")
+    victim = pids[1]
+    os.kill(victim, signal.SIGKILL)
+    assert max(r["step"] for r in step_rows(run)) < steps - 20, "killed too late to test"
+    assert agent.wait(timeout=240) == 0, procs.stderr("killed")[-3000:]
+
+    survivors = set(pids) - {victim}
+    late = [r for r in step_rows(run) if r["step"] >= steps - 5]
+    assert survivors <= {r["pid"] for r in late}, "a survivor was restarted"
+    assert {r["world"] for r in late} == {4}
+    joined = assert_survivors_agree(run)
+    assert any(e["epoch"] >= 2 and e["source"] is not None for e in joined), "spare got no state"
+    assert_at_most_step_in_flight_redone(run, recoveries=1)
+    final = torch.load(run / "w.pt", weights_only=True)
+    assert all(torch.equal(final[k], reference[k]) for k in reference), "not bitwise identical"

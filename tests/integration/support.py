@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from filelock import FileLock
 
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
 
@@ -175,6 +177,45 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield ps
     finally:
         ps.cleanup()
+
+
+class SharedRuns:
+    """Fault-free reference runs made once per test session and shared by every test that
+    asks for the same key, across pytest-xdist's workers (a file lock in the directory they
+    share). A reference is the same job whichever test compares against it, and on a 2-core
+    machine each costs tens of CPU seconds; a test's own runs (the ones with the faults) are
+    never shared."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get(self, key: str, make: Callable[[Procs], Path]) -> Path:
+        """The path ``make`` returned for ``key``: ``make`` runs the job with a
+        :class:`Procs` in a directory of its own (the first caller; the others wait on the
+        lock, then reuse it). A ``make`` that raises caches nothing: the next caller runs
+        it again and fails on its own."""
+        assert key.replace("-", "").replace("_", "").isalnum(), key
+        self.root.mkdir(parents=True, exist_ok=True)
+        done = self.root / f"{key}.done"
+        with FileLock(str(self.root / f"{key}.lock")):
+            if not done.exists():
+                workdir = self.root / key
+                shutil.rmtree(workdir, ignore_errors=True)
+                workdir.mkdir()
+                procs = Procs(workdir)
+                try:
+                    result = make(procs)
+                finally:
+                    procs.cleanup()
+                done.write_text(str(result))
+            return Path(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> SharedRuns:
+    base = tmp_path_factory.getbasetemp()
+    # (each xdist worker's base is a directory of the run's own: their parent is shared)
+    return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
 
 
 @pytest.fixture

@@ -13,43 +13,26 @@ from live_support import (
     assert_every_sample_once_per_data_epoch,
     assert_survivors_agree,
     assert_survivors_agree_so_far,
+    kill_a_worker_beside_a_warm_spare,
     live_workers,
     reference_weights,
-    spare_ready,
     start_live,
     start_live_node,
     step_rows,
     wait_step,
 )
-from support import Procs, read_events, read_progress, wait_for
+from support import Procs, SharedRuns, read_events, read_progress, wait_for
 
 
 @pytest.mark.timeout(400)
 def test_kill_9_of_a_worker_keeps_survivors_and_a_warm_spare_keeps_the_run_bitwise_identical(
     procs: Procs,
+    shared_runs: SharedRuns,
 ) -> None:
     steps = 300  # the spare starts once the workers are up: leave it time to get ready
-    reference = reference_weights(procs, steps)
+    reference = reference_weights(shared_runs, steps)
     agent, run = start_live(procs, "killed", steps=steps)
-    pids = live_workers(run / "run", 4)
-    wait_step(run, 5)
-    wait_for(lambda: spare_ready(run), 90, "a warm spare to be ready")
-    victim = pids[1]
-    os.kill(victim, signal.SIGKILL)
-    assert max(r["step"] for r in step_rows(run)) < steps - 20, "killed too late to test"
-    assert agent.wait(timeout=240) == 0, procs.stderr("killed")[-3000:]
-
-    survivors = set(pids) - {victim}
-    late = [r for r in step_rows(run) if r["step"] >= steps - 5]
-    assert survivors <= {r["pid"] for r in late}, "a survivor was restarted"
-    assert {r["world"] for r in late} == {4}
-    joined = assert_survivors_agree(run)
-    assert any(e["epoch"] >= 2 and e["source"] is not None for e in joined), (
-        "the spare got no state"
-    )
-    assert_at_most_step_in_flight_redone(run, recoveries=1)
-    final = torch.load(run / "w.pt", weights_only=True)
-    assert all(torch.equal(final[k], reference[k]) for k in reference), "not bitwise identical"
+    kill_a_worker_beside_a_warm_spare(procs, agent, run, steps, reference)
     # The survivors' pause (and any step slowed after it) is lost time, off the job's ETTR.
     done = [e for e in read_events(run / "run") if e["event"] == "job_finished"]
     assert done and done[-1]["lost_s"] > 0 and done[-1]["ettr"] < 1, done
@@ -58,9 +41,10 @@ def test_kill_9_of_a_worker_keeps_survivors_and_a_warm_spare_keeps_the_run_bitwi
 @pytest.mark.timeout(400)
 def test_without_a_spare_survivors_shrink_at_once_and_the_replacement_joins_at_a_step_boundary(
     procs: Procs,
+    shared_runs: SharedRuns,
 ) -> None:
     steps = 300  # long enough (15 s after the kill) for a cold replacement to join, even on a busy machine
-    reference = reference_weights(procs, steps)
+    reference = reference_weights(shared_runs, steps)
     agent, run = start_live(procs, "shrink", steps=steps, spares=0)
     pids = live_workers(run / "run", 4)
     wait_step(run, 5)

@@ -20,7 +20,7 @@ from live_support import (
     start_live,
     step_rows,
 )
-from support import Procs, read_events, wait_for
+from support import Procs, SharedRuns, read_events, wait_for
 
 STEPS = 100
 ALL_STEPS = (
@@ -40,8 +40,9 @@ def _fallbacks(run: Path) -> list[dict]:
 @pytest.mark.timeout(500)
 def test_kill_9_of_every_worker_restarts_all_from_the_latest_checkpoint_bitwise(
     procs: Procs,
+    shared_runs: SharedRuns,
 ) -> None:
-    reference = reference_weights(procs, ALL_STEPS)
+    reference = reference_weights(shared_runs, ALL_STEPS)
     ckpt = procs.tmp / "all" / "ckpt"
     agent, run = start_live(
         procs,
@@ -80,8 +81,9 @@ def test_kill_9_of_every_worker_restarts_all_from_the_latest_checkpoint_bitwise(
 @pytest.mark.timeout(500)
 def test_members_that_disagree_on_the_model_fall_back_to_the_checkpoint_bitwise(
     procs: Procs,
+    shared_runs: SharedRuns,
 ) -> None:
-    reference = reference_weights(procs, STEPS)
+    reference = reference_weights(shared_runs, STEPS)
     corrupt_at = 17  # after the checkpoint of step 15, before the one of step 20
     ckpt = procs.tmp / "bad" / "ckpt"
     agent, run = start_live(

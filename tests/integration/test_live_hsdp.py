@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from live_support import (
     step_rows,
     wait_step,
 )
-from support import Procs, read_events, wait_for
+from support import Procs, SharedRuns, read_events, wait_for
 
 from flexrun.testing.shard_states import read_shards, same_state
 
@@ -48,14 +47,13 @@ def start(
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, list[dict]]]:
-    procs = Procs(tmp_path_factory.mktemp("hsdp-reference"))
-    try:
+def reference(shared_runs: SharedRuns) -> dict[int, list[dict]]:
+    def make(procs: Procs) -> Path:
         agent, run = start(procs, "reference")
         assert procs.wait(agent, 240) == 0, procs.stderr("reference")[-3000:]  # type: ignore[arg-type]
-        yield read_shards(run / "out")
-    finally:
-        procs.cleanup()
+        return run / "out"
+
+    return read_shards(shared_runs.get("hsdp-reference", make))
 
 
 @pytest.mark.timeout(420)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import test_train_memtier_run as memtier_run
 import torch
-from support import Procs, read_events, wait_for
+from support import Procs, SharedRuns, read_events, wait_for
 from train_support import HERE
 
 WORKER = HERE / "memshard_worker.py"
@@ -29,12 +29,15 @@ def _final(procs: Procs, name: str) -> dict[str, Any]:
     return torch.load(procs.tmp / f"final-{name}.pt", weights_only=True)  # type: ignore[no-any-return]
 
 
-def _reference(procs: Procs) -> dict[str, Any]:
-    ref = _job(procs, "ref")
-    assert procs.wait(ref, 200) == 0, procs.stderr("ref")
-    final = _final(procs, "ref")
+def _reference(shared: SharedRuns) -> dict[str, Any]:
+    def make(procs: Procs) -> Path:
+        ref = _job(procs, "ref")
+        assert procs.wait(ref, 200) == 0, procs.stderr("ref")
+        return procs.tmp / "final-ref.pt"
+
+    final = torch.load(shared.get("memshard-ref", make), weights_only=True)
     assert final["optim"]["state"], "the reference run has no optimizer state"
-    return final
+    return final  # type: ignore[no-any-return]
 
 
 def _resumes(procs: Procs, rank: int) -> list[int]:
@@ -43,9 +46,9 @@ def _resumes(procs: Procs, rank: int) -> list[int]:
 
 @pytest.mark.timeout(500)
 def test_kill_9_of_one_fsdp2_worker_resumes_at_the_killed_step_from_memory_bitwise(
-    procs: Procs,
+    procs: Procs, shared_runs: SharedRuns
 ) -> None:
-    ref = _reference(procs)
+    ref = _reference(shared_runs)
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
@@ -73,9 +76,9 @@ def test_kill_9_of_one_fsdp2_worker_resumes_at_the_killed_step_from_memory_bitwi
 
 @pytest.mark.timeout(500)
 def test_a_corrupted_copy_of_one_rank_is_skipped_and_the_step_before_used_bitwise(
-    procs: Procs,
+    procs: Procs, shared_runs: SharedRuns
 ) -> None:
-    ref = _reference(procs)
+    ref = _reference(shared_runs)
     job = _job(procs, "job", "--corrupt-at", "13", "--corrupt-rank", "1")
     assert procs.wait(job, 250) == 0, procs.stderr("job")
     events = read_events(procs.tmp / "run-job")

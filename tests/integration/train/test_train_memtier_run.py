@@ -16,6 +16,7 @@ import pytest
 import torch
 from support import (
     Procs,
+    SharedRuns,
     descendants,
     node_args,
     read_events,
@@ -79,10 +80,13 @@ def _assert_bitwise_equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def _reference(procs: Procs) -> dict[str, Any]:
-    ref = _job(procs, "ref")
-    assert procs.wait(ref, 150) == 0, procs.stderr("ref")
-    return torch.load(procs.tmp / "final-ref.pt", weights_only=True)  # type: ignore[no-any-return]
+def _reference(shared: SharedRuns) -> dict[str, Any]:
+    def make(procs: Procs) -> Path:
+        ref = _job(procs, "ref")
+        assert procs.wait(ref, 150) == 0, procs.stderr("ref")
+        return procs.tmp / "final-ref.pt"
+
+    return torch.load(shared.get("memtier-ref", make), weights_only=True)  # type: ignore[no-any-return]
 
 
 def _loaded(procs: Procs, name: str) -> list[dict[str, Any]]:
@@ -94,8 +98,10 @@ def _durable_steps(path: Path) -> list[int]:
 
 
 @pytest.mark.timeout(400)
-def test_kill_9_of_a_worker_resumes_at_the_killed_step_from_memory_bitwise(procs: Procs) -> None:
-    ref = _reference(procs)
+def test_kill_9_of_a_worker_resumes_at_the_killed_step_from_memory_bitwise(
+    procs: Procs, shared_runs: SharedRuns
+) -> None:
+    ref = _reference(shared_runs)
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
@@ -131,9 +137,9 @@ def test_kill_9_of_a_worker_resumes_at_the_killed_step_from_memory_bitwise(procs
 
 @pytest.mark.timeout(400)
 def test_a_corrupted_memory_copy_is_skipped_and_the_one_before_used_bitwise(
-    procs: Procs,
+    procs: Procs, shared_runs: SharedRuns
 ) -> None:
-    ref = _reference(procs)
+    ref = _reference(shared_runs)
     job = _job(procs, "job", "--corrupt-at", "13")
     assert procs.wait(job, 200) == 0, procs.stderr("job")
     events = read_events(procs.tmp / "run-job")
