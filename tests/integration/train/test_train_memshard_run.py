@@ -30,14 +30,9 @@ def _final(procs: Procs, name: str) -> dict[str, Any]:
 
 
 def _reference(shared: SharedRuns) -> dict[str, Any]:
-    def make(procs: Procs) -> Path:
-        ref = _job(procs, "ref")
-        assert procs.wait(ref, 200) == 0, procs.stderr("ref")
-        return procs.tmp / "final-ref.pt"
-
-    final = torch.load(shared.get("memshard-ref", make), weights_only=True)
+    final = memtier_run._reference(shared, "memshard-ref", _job, wait_s=200)
     assert final["optim"]["state"], "the reference run has no optimizer state"
-    return final  # type: ignore[no-any-return]
+    return final
 
 
 def _resumes(procs: Procs, rank: int) -> list[int]:

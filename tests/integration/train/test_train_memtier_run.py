@@ -80,13 +80,18 @@ def _assert_bitwise_equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def _reference(shared: SharedRuns) -> dict[str, Any]:
+def _reference(
+    shared: SharedRuns, key: str = "memtier-ref", job: Any = None, wait_s: float = 150
+) -> dict[str, Any]:
+    """The final state of the fault-free run of ``job`` (this file's ``_job`` by default),
+    made once per suite run under ``key``."""
+
     def make(procs: Procs) -> Path:
-        ref = _job(procs, "ref")
-        assert procs.wait(ref, 150) == 0, procs.stderr("ref")
+        ref = (job or _job)(procs, "ref")
+        assert procs.wait(ref, wait_s) == 0, procs.stderr("ref")
         return procs.tmp / "final-ref.pt"
 
-    return torch.load(shared.get("memtier-ref", make), weights_only=True)  # type: ignore[no-any-return]
+    return torch.load(shared.get(key, make), weights_only=True)  # type: ignore[no-any-return]
 
 
 def _loaded(procs: Procs, name: str) -> list[dict[str, Any]]:
