@@ -32,7 +32,10 @@ import pytest
 BAR_SCRIPT = """
 import os, sys, time
 from tqdm import tqdm
-print("ISATTY", sys.stdout.isatty(), sys.stderr.isatty(), flush=True)
+# one write: workers run unbuffered (python -u, as under torchrun), so print()'s pieces would
+# be separate writes, and the agent's own lines on the terminal may fall between them
+sys.stdout.write(f"ISATTY {sys.stdout.isatty()} {sys.stderr.isatty()}\\n")
+sys.stdout.flush()
 sys.stderr.write("\\rPING")
 sys.stderr.flush()
 go, deadline = os.environ["GO_FILE"], time.time() + 30
