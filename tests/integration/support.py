@@ -87,6 +87,28 @@ def alive_pids(pids: list[int]) -> list[int]:
     return out
 
 
+def _worker_stacks(tree: list[psutil.Process]) -> list[str]:
+    """The Python stacks of every worker in ``tree`` whose flexrun hook holds a stacks file
+    open (the hook answers SIGUSR2 by dumping all its threads there; a process without
+    that file open may have no handler, and SIGUSR2 would kill it)."""
+    dumped: list[tuple[int, Path]] = []
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            for f in p.open_files():
+                if f.path.endswith("stacks.txt"):
+                    os.kill(p.pid, signal.SIGUSR2)
+                    dumped.append((p.pid, Path(f.path)))
+    if not dumped:
+        return []
+    time.sleep(1.0)  # (faulthandler writes from the signal handler, at once)
+    lines = []
+    for pid, path in dumped:
+        lines.append(f"stacks of {pid} ({path}):")
+        with contextlib.suppress(OSError):
+            lines += path.read_text(errors="replace").splitlines()[-60:]
+    return lines
+
+
 class Procs:
     """Starts flexrun processes and guarantees they (and their trees) are gone afterwards."""
 
@@ -142,6 +164,7 @@ class Procs:
             with contextlib.suppress(psutil.Error):
                 cmd = " ".join(p.cmdline())[:160]
                 lines.append(f"  {p.pid} {p.status()} threads={p.num_threads()} {cmd}")
+        lines += _worker_stacks(tree)
         for events in sorted(self.tmp.glob(f"**/{name}/events.jsonl")):
             lines.append(f"last events of {events}:")
             lines += events.read_text().splitlines()[-12:]
