@@ -140,6 +140,7 @@ class Run:
         self.retry_example = ""
         self.snapshots: dict[str, dict[int, Any]] = {}
         self.ran: dict[int, int] = {}  # round -> agents that ran it
+        self.ran_at: dict[int, list[float]] = {}  # round -> when each agent ran it
         self.reasons: dict[int, tuple[str, int]] = {}  # round -> (reason, members)
         self.headers: dict[tuple[int, str], tuple[str, int, float]] = {}  # first sight
         self.watch_changes: list[tuple[float, int, bool]] = []  # (when, agent, watching)
@@ -174,6 +175,7 @@ class Run:
                 self.runs[aid] = (number, t)
             self.firsts[number] = min(t, self.firsts.get(number, t))
             self.ran[number] = self.ran.get(number, 0) + 1
+            self.ran_at.setdefault(number, []).append(t)
             if len(msg) > 7:
                 self.reasons.setdefault(number, (msg[7], members))
             if watching:
@@ -395,7 +397,10 @@ def timeline(run: Run, t0: float, agents: set[int], number: int | None, snap: st
             continue
         ran = ""
         if state == "running" and num in run.firsts:
-            ran = f", first run {run.firsts[num] - t0:.2f} s by {run.ran.get(num, 0)} agents"
+            at = sorted(run.ran_at.get(num, []))
+            ran = (f", first run {run.firsts[num] - t0:.2f} s by {run.ran.get(num, 0)} agents"
+                   f" (half {at[len(at) // 2] - t0:.2f} s, 90 % {at[len(at) * 9 // 10] - t0:.2f} s,"
+                   f" all {at[-1] - t0:.2f} s)")
         print(f"      round {num} {state:8} reason {reason or '-':14} {size:5} members, "
               f"first seen {t - t0:7.2f} s{ran}", flush=True)
     changes = [(t, a, w) for t, a, w in run.watch_changes if t >= t0]

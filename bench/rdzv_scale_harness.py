@@ -414,9 +414,14 @@ class Seen:
 
 
 def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -> None:
-    """Tick each agent when it is due or its change watch fired."""
+    """Tick each agent when it is due or its change watch fired: one pass per wake, as a
+    real agent's loop (``wait(timeout)`` returns once, on a change or at its timeout). An
+    agent ticked early by its watch is due again from that tick only: its older heap entry
+    is stale and skipped (kept, they piled up, ~6 an agent by the third round, and each
+    agent's loop ran up to 6 times as often as a real one's)."""
     import heapq
 
+    due = [0.0] * len(agents)
     heap = [(0.0, i) for i in range(len(agents))]
     heapq.heapify(heap)
     while not stop.is_set():
@@ -425,10 +430,14 @@ def stepper(agents: list[Agent], kick: threading.Event, stop: threading.Event) -
             kick.clear()
             for i, a in enumerate(agents):
                 if a.changed():
-                    heapq.heappush(heap, (a.tick(now), i))
+                    due[i] = a.tick(now)
+                    heapq.heappush(heap, (due[i], i))
         while heap and heap[0][0] <= now:
-            _, i = heapq.heappop(heap)
-            heapq.heappush(heap, (agents[i].tick(now), i))
+            t, i = heapq.heappop(heap)
+            if t != due[i]:
+                continue
+            due[i] = agents[i].tick(now)
+            heapq.heappush(heap, (due[i], i))
         kick.wait(max(0.001, min(1.0, heap[0][0] - time.monotonic() if heap else 1.0)))
 
 
