@@ -36,6 +36,7 @@ def test_kill_9_of_a_worker_keeps_survivors_and_a_warm_spare_keeps_the_run_bitwi
     # The survivors' pause (and any step slowed after it) is lost time, off the job's ETTR.
     done = [e for e in read_events(run / "run") if e["event"] == "job_finished"]
     assert done and done[-1]["lost_s"] > 0 and done[-1]["ettr"] < 1, done
+    assert done[-1]["ettr"] < done[-1]["failure_ettr"] < 1, done  # (the lost time is failure's)
 
 
 @pytest.mark.timeout(400)

@@ -81,6 +81,8 @@ def test_a_plain_script_sleeping_forever_in_a_step_is_caught_and_recovers(procs:
     assert text.count("=== rank") == 2  # both ranks' stacks (both have the hook)
     (fin,) = [e for e in events if e["event"] == "job_finished"]
     assert 0 < fin["productive_s"] < fin["wall_s"]
+    # the hang's silence and the restart were lost; the start-up was not (overhead)
+    assert fin["overhead_s"] > 0 and fin["ettr"] < fin["failure_ettr"] < 1, fin
 
 
 @pytest.mark.timeout(150)
@@ -110,6 +112,8 @@ def test_a_20s_first_step_is_not_a_hang(procs: Procs) -> None:
     assert not [e for e in events if e["event"] == "hang_detected"]
     (fin,) = [e for e in events if e["event"] == "job_finished"]
     assert fin["productive_s"] < fin["wall_s"] - 15  # the first step's 20 s are not productive
+    # ... but nothing disrupted the job: all of the rest is overhead, none of it lost
+    assert fin["overhead_s"] > 15 and fin["failure_ettr"] >= 0.999, fin
 
 
 @pytest.mark.timeout(300)

@@ -127,13 +127,16 @@ class Agent:
         wall = self.clock.monotonic() - self._started
         lost = self.runner.lost_s()  # (live mode: time lost without a stopped round)
         productive = max(self.uptime.total_s - lost, 0.0)
+        overhead = min(self.uptime.overhead_s(self._started), wall - productive)
         self.events.emit(
             "job_finished",
             exit_code=code,
             wall_s=round(wall, 3),
             productive_s=round(productive, 3),
+            overhead_s=round(overhead, 3),
             lost_s=round(lost, 3),
             ettr=round(productive / wall, 4) if wall > 0 else None,
+            failure_ettr=round((productive + overhead) / wall, 4) if wall > 0 else None,
             rounds_run=self._runs,
         )
 

@@ -20,7 +20,7 @@ MAX_ABS_TS = 1e11
 is not an event."""
 
 _INT_FIELDS = ("world_size", "rank", "step", "nodes", "exit_code", "local_rank")
-_FLOAT_FIELDS = ("steps_per_s", "samples_per_s", "duration_s", "ettr")
+_FLOAT_FIELDS = ("steps_per_s", "samples_per_s", "duration_s", "ettr", "failure_ettr")
 _LIST_FIELDS = ("members", "joined")
 _RESOURCE_INTS = ("mem_used_bytes", "net_rx_bytes", "net_tx_bytes", "mem_total_bytes")
 _GPU_INTS = ("index", "mem_used_bytes")

@@ -89,6 +89,51 @@ def test_a_failed_segment_counts_up_to_its_newest_resumable_checkpoint() -> None
     assert up.total_s == 20.0
 
 
+def test_overhead_is_what_a_fault_free_run_also_spends_outside_its_steps() -> None:
+    clock = FakeClock()
+    started = clock.monotonic()
+    up = Uptime(clock)
+    up.restart()
+    clock.advance(4.0)
+    up.observe(clock.monotonic())  # start-up: 4 s to the first step
+    clock.advance(50.0)
+    up.stop(productive=True)
+    clock.advance(1.0)  # after the last segment: the agent's own wrap-up
+    assert up.total_s == 50.0 and up.overhead_s(started) == 5.0  # a fault-free run: 1.0
+
+    clock = FakeClock()
+    started = clock.monotonic()
+    up = Uptime(clock)
+    up.restart()
+    clock.advance(4.0)
+    up.observe(clock.monotonic())
+    clock.advance(20.0)
+    up.stop(productive=False, kept_until=clock.monotonic() - 2.0)  # 2 s done again
+    clock.advance(3.0)  # the restart: lost, not overhead (only the first segment's lead is)
+    up.restart()
+    clock.advance(1.0)
+    up.observe(clock.monotonic())
+    clock.advance(30.0)
+    up.stop(productive=True)
+    clock.advance(1.0)
+    assert up.total_s == 18.0 + 30.0 and up.overhead_s(started) == 5.0
+    assert clock.monotonic() - started - up.total_s - up.overhead_s(started) == 6.0  # 2+3+1 lost
+
+    clock = FakeClock()
+    started = clock.monotonic()
+    up = Uptime(clock)
+    up.restart()
+    clock.advance(4.0)
+    up.stop(productive=False)  # the first workers died before a step: all of it lost
+    up.restart()
+    clock.advance(2.0)
+    up.observe(clock.monotonic())
+    clock.advance(10.0)
+    up.stop(productive=False)  # and the job ended in a failure: nothing after it is overhead
+    clock.advance(1.0)
+    assert up.total_s == 0.0 and up.overhead_s(started) == 0.0
+
+
 def test_the_newest_checkpoint_every_saving_rank_said_gives_when_its_state_was_taken(
     tmp_path: Path,
 ) -> None:
