@@ -170,7 +170,13 @@ def run_restart_mode(args: argparse.Namespace, log: StepLog) -> int:
     ctx = ft.init()
     xs, ys = _data(args)
     model = _model(args.seed)
-    ddp = DDP(model) if ctx.world_size > 1 else None
+    # No bucket rebuild (find_unused_parameters=True keeps the first iteration's layout):
+    # DDP otherwise re-lays its gradient buckets after its first iteration, in the order the
+    # gradients became ready, so the first step after a resume reduces each element at another
+    # offset than an uninterrupted run's steps do; gloo's ring sums an element in an order set
+    # by its offset, and at 3+ ranks the last bits differ (the same-world invariant then fails
+    # for torchrun and restart mode alike; 2 ranks sum commutatively).
+    ddp = DDP(model, find_unused_parameters=True) if ctx.world_size > 1 else None
     net = ddp if ddp is not None else model
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     if args.frozen_shard > 0:
