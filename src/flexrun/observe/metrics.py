@@ -149,6 +149,11 @@ class AgentMetrics:
         self.ettr = gauge(
             "flexrun_ettr_ratio", "Effective training time ratio (productive / wall) at job end"
         )
+        self.failure_ettr = gauge(
+            "flexrun_failure_ettr_ratio",
+            "ETTR with start-up and wrap-up not counted as lost: 1 - time lost to disruptions"
+            " / wall, at job end",
+        )
         self.info.labels(job=run_id, node=node).set(1)
 
     # -- serving ----------------------------------------------------------------------------
@@ -310,9 +315,10 @@ class EventMetrics:
         elif kind == "job_finished" and mine:
             self._workers.clear()
             m.on_workers(0)
-            ettr = _float(e.get("ettr"))
-            if ettr is not None:
-                m.ettr.set(ettr)
+            for gauge_, field in ((m.ettr, "ettr"), (m.failure_ettr, "failure_ettr")):
+                value = _float(e.get(field))
+                if value is not None:
+                    gauge_.set(value)
         if kind in ("restart", "rendezvous_started") and mine and self._workers:
             # the agent stops its workers before a new round, without worker_exited events
             self._workers.clear()

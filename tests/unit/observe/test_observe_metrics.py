@@ -76,6 +76,22 @@ def test_metrics_follow_rounds_failures_recoveries_and_throughput_over_http() ->
 
 
 @pytest.mark.timeout(30)
+def test_both_ettrs_of_the_nodes_job_finished_are_gauges() -> None:
+    m = AgentMetrics(0, host="127.0.0.1")
+    port = m.start()
+    try:
+        em = EventMetrics(m, node="a")
+        em.observe(ev("job_finished", 9.0, 1, node="b", ettr=0.1, failure_ettr=0.2))  # not ours
+        before = scrape_metrics(port)
+        em.observe(ev("job_finished", 10.0, 1, exit_code=0, ettr=0.7, failure_ettr=0.8))
+        after = scrape_metrics(port)
+    finally:
+        m.close()
+    assert before["flexrun_ettr_ratio"] == 0 and before["flexrun_failure_ettr_ratio"] == 0
+    assert (after["flexrun_ettr_ratio"], after["flexrun_failure_ettr_ratio"]) == (0.7, 0.8)
+
+
+@pytest.mark.timeout(30)
 def test_metric_names_follow_prometheus_conventions() -> None:
     m = AgentMetrics(run_id="job", node="a")
     m.on_failure("hang")
