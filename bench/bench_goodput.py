@@ -203,8 +203,10 @@ def main() -> int:
     if a.baseline:
         print()
         print("issue 20's ETTR: wall of the fault-free run / wall of the run with the kills")
-        print("(reported: the job's own job_finished event, torchrun has none: its ettr,"
-              " productive / wall, and its failure_ettr, which compares with ETTR(#20))")
+        print(
+            "(reported: the job's own job_finished event, torchrun has none: its ettr,"
+            " productive / wall, and its failure_ettr, which compares with ETTR(#20))"
+        )
         print(
             f"{'launcher':10s} {'ETTR(#20)':>9s} {'free wall':>9s} {'wall':>7s} "
             f"{'span ratio':>10s} {'free span':>9s} {'span':>7s} {'reported':>8s} "

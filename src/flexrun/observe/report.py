@@ -228,9 +228,16 @@ def render_html(a: RunAnalysis, figures: Mapping[str, bytes]) -> str:
     lost_table = _table(["cause", "time lost", "share of wall time"], lost_rows)
     nodes = (
         _table(
-            ["node", "exit code", "wall", "productive", "ETTR (agent)"],
+            ["node", "exit code", "wall", "productive", "ETTR (agent)", "failure ETTR (agent)"],
             [
-                [n, f.get("exit_code"), f.get("wall_s"), f.get("productive_s"), f.get("ettr")]
+                [
+                    n,
+                    f.get("exit_code"),
+                    f.get("wall_s"),
+                    f.get("productive_s"),
+                    f.get("ettr"),
+                    f.get("failure_ettr"),
+                ]
                 for n, f in sorted(a.node_finish.items())
             ],
         )

@@ -63,7 +63,16 @@ RUN = [
     ev("restart", 30.3, 4, reason="node_left"),
     *up(31, 4, ["a"], 2),
     *steps(33, 39, 4),
-    ev("job_finished", 40, 4, exit_code=0, wall_s=40, productive_s=30, ettr=0.75),
+    ev(
+        "job_finished",
+        40,
+        4,
+        exit_code=0,
+        wall_s=40,
+        productive_s=30,
+        ettr=0.75,
+        failure_ettr=0.8125,
+    ),
 ]
 
 
@@ -183,6 +192,7 @@ def test_report_merges_per_node_dirs_and_writes_a_self_contained_page(tmp_path: 
     for cause in ("worker_failure", "scale_up", "preempted"):
         assert cause in p.cells
     assert "67.5%" in text  # ETTR
+    assert "failure ETTR (agent)" in text and "0.8125" in p.cells  # node a's job_finished
     assert "http" not in text.replace("http-equiv", "")  # nothing fetched from the network
     for name in (TIMELINE_PNG, LOST_PNG):
         assert (tmp_path / "runs" / name).stat().st_size > 10_000
