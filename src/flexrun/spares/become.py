@@ -23,7 +23,7 @@ import socket
 import stat
 import sys
 from collections.abc import Callable, Mapping
-from typing import IO
+from typing import IO, Any
 
 import setproctitle
 
@@ -109,12 +109,41 @@ def _become_worker(task: Assignment, prepare: Prepare | None) -> int:
         prepare(task.env)
     sys.stdin = open(os.devnull)  # noqa: SIM115  (the assignment channel is done)
     sys.argv = [task.entry, *task.args]
-    if task.module:
-        runpy.run_module(task.entry, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(task.entry)))
-        runpy.run_path(task.entry, run_name="__main__")
+    _run_script(task)
     return 0
+
+
+_KEPT: list[dict[str, Any]] = []
+"""The script's globals, alive until this interpreter's finalization (:func:`_run_script`)."""
+
+
+def _run_script(task: Assignment) -> None:
+    """Run the worker's script (or module) as ``__main__``, and keep its globals until the
+    interpreter ends, as a fresh ``python script.py`` keeps its ``__main__`` module.
+
+    ``runpy`` returns a copy of the script's globals and drops its module: let go here, the
+    script's objects would be destroyed the moment its last line returns, with other threads
+    still running. That order matters for a C++ destructor that joins a thread needing the
+    GIL: a DDP model's reducer, freed right after ``destroy_process_group``, destroys its
+    gloo process group, which joins its run loop while that loop frees the tensors of the
+    last barrier and waits for the GIL the freeing thread holds (pytorch/pytorch#56297; seen
+    with gdb on spare-turned-workers stuck for good after their training ended, about 1 run
+    in 40 of a test under load). Kept until finalization, they go long after, as in a fresh
+    interpreter. When the script raises (``sys.exit`` included), the globals of the frames of
+    its traceback are kept: a fresh interpreter's ``__main__`` outlives its exception too."""
+    try:
+        if task.module:
+            namespace = runpy.run_module(task.entry, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(task.entry)))
+            namespace = runpy.run_path(task.entry, run_name="__main__")
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None:
+            _KEPT.append(tb.tb_frame.f_globals)
+            tb = tb.tb_next
+        raise
+    _KEPT.append(namespace)
 
 
 def _remove_private(fifo: str) -> None:

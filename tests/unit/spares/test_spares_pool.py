@@ -189,6 +189,65 @@ def test_a_module_entry_point_is_found_on_the_workers_pythonpath(
     assert w.proc.wait(timeout=30) == 7
 
 
+ORDER_HELPER = """
+import sys
+def note(what, log=sys.argv[1], open=open):  # (bound now: finalization clears names)
+    with open(log, "a") as fh:
+        fh.write(what + "\\n")
+class Model:  # stands for a DDP model, whose destructor may join a thread
+    def __del__(self, note=note):
+        note("freed")
+"""
+# The script defines no function or class of its own: nothing of it refers back to its
+# globals (no reference cycle), so they are freed the moment the last reference goes.
+ORDER_SCRIPT = """
+import atexit, sys
+from order_helper import Model, note
+model = Model()
+atexit.register(note, "atexit")
+note("end")
+if sys.argv[2] == "exit":
+    sys.exit(5)
+if sys.argv[2] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "exit", "raise"])
+def test_a_spare_keeps_the_scripts_objects_until_the_end_as_a_fresh_interpreter_does(
+    tmp_path: Path, pools: list[WarmPool], ending: str
+) -> None:
+    """A script's globals outlive its last line until the interpreter's finalization, in a
+    spare as in a fresh ``python script.py``: freed as soon as runpy returned, a DDP model's
+    gloo process group was destroyed while its run loop still needed the GIL, and the worker
+    hung for good after its training ended (pytorch/pytorch#56297)."""
+    script = tmp_path / "order.py"
+    script.write_text(ORDER_SCRIPT)
+    (tmp_path / "order_helper.py").write_text(ORDER_HELPER)
+    fresh_log, spare_log = tmp_path / "fresh.log", tmp_path / "spare.log"
+    fresh = subprocess.run(
+        [sys.executable, str(script), str(fresh_log), ending], capture_output=True, timeout=60
+    )
+    pool = _pool(pools, tmp_path, 1)
+    pool.fill()
+    w = pool.take(wait_s=30)
+    assert w is not None
+    assign(
+        w,
+        env=dict(os.environ),
+        entry=str(script),
+        args=[str(spare_log), ending],
+        module=False,
+        rank=0,
+        local_rank=0,
+    )
+    assert (
+        w.proc.wait(timeout=30) == fresh.returncode == {"return": 0, "exit": 5, "raise": 1}[ending]
+    )
+    assert fresh_log.read_text() == "end\natexit\nfreed\n"
+    assert spare_log.read_text() == fresh_log.read_text()
+
+
 def test_a_malformed_assignment_is_one_line_and_exit_2(tmp_path: Path) -> None:
     ready = tmp_path / "s.ready"
     p = subprocess.Popen(
