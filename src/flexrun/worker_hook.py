@@ -77,6 +77,8 @@ class _Progress:
         self.ended = False
         self.saved = -1
         self.stack_fh: IO[str] | None = None
+        self.held_groups: list[Any] = []  # see _hold_default_group
+        self.release_at_exit = False
 
 
 _state = _Progress()
@@ -253,7 +255,12 @@ def _attach(name: str, mod: ModuleType) -> None:
         for fn in ("init_process_group", "destroy_process_group", *COLLECTIVES):
             orig = getattr(mod, fn, None)
             if callable(orig) and not getattr(orig, "_flexrun_beat", False):
-                setattr(mod, fn, _beating(orig, ends=fn == "destroy_process_group"))
+                wrapped = _beating(
+                    orig,
+                    ends=fn == "destroy_process_group",
+                    starts=fn == "init_process_group",
+                )
+                setattr(mod, fn, wrapped)
         dist = sys.modules.get("torch.distributed")
         if dist is not None:  # (already imported from the module: rebind there too)
             for fn in ("init_process_group", "destroy_process_group", *COLLECTIVES):
@@ -261,17 +268,53 @@ def _attach(name: str, mod: ModuleType) -> None:
                     setattr(dist, fn, getattr(mod, fn))
 
 
-def _beating(fn: Callable[..., Any], *, ends: bool = False) -> Callable[..., Any]:
+def _beating(
+    fn: Callable[..., Any], *, ends: bool = False, starts: bool = False
+) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if ends and not args and not kwargs.get("group"):
             end()  # (the default group: the training's end)
+            _hold_default_group()
+        elif starts:
+            _release_held_groups()
         out = fn(*args, **kwargs)
         beat()
         return out
 
     wrapper._flexrun_beat = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _hold_default_group() -> None:
+    """Keep the default process group referenced from here past ``destroy_process_group``,
+    until the next ``init_process_group`` or the interpreter's exit (an ``atexit`` handler,
+    interpreter still whole), so that its last reference is dropped from Python.
+
+    Why: torch frees a DDP model's reducer with the GIL held. When the reducer holds the
+    last reference to a gloo process group, the group's destructor joins its run loop, which
+    may still be freeing the tensors of the last collective and waits for that GIL: the
+    worker hangs for good after its training ended (pytorch/pytorch#56297), the typical
+    ``main()`` that returns right after ``destroy_process_group`` included, under torchrun
+    as here. Dropped from Python, the group's binding releases the GIL before destroying it
+    (measured in bench/results/teardown.txt)."""
+    try:
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        group = getattr(getattr(c10d, "group", None), "WORLD", None)
+        if group is None:
+            return
+        if not _state.release_at_exit:
+            import atexit
+
+            atexit.register(_release_held_groups)
+            _state.release_at_exit = True
+        _state.held_groups.append(group)
+    except Exception as exc:  # (a torch whose API moved: the hook is best effort)
+        print(f"flexrun: progress hook could not hold the process group: {exc}", file=sys.stderr)
+
+
+def _release_held_groups() -> None:
+    _state.held_groups.clear()
 
 
 class _AttachingLoader(importlib.abc.Loader):
