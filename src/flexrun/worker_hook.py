@@ -12,7 +12,9 @@ that calls :func:`install`; a warm spare calls it when it becomes a worker. Inst
 - counts a **step** at every ``torch.optim`` optimizer step (torch's global post-step
   hook), every :func:`flexrun.train.report_progress` and every live-loop step;
 - counts a **beat** (a sign of life, not a step) when ``init_process_group`` and the
-  Python-level ``torch.distributed`` collectives return.
+  Python-level ``torch.distributed`` collectives return;
+- holds the default process group from ``destroy_process_group`` to the next init or the
+  exit (:func:`_hold_default_group`: a torch deadlock in the teardown otherwise).
 
 Torch is never imported here: the hooks are attached when the script itself imports
 ``torch.optim.optimizer`` / ``torch.distributed.distributed_c10d`` (an import finder).
