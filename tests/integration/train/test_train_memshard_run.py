@@ -47,7 +47,9 @@ def test_kill_9_of_one_fsdp2_worker_resumes_at_the_killed_step_from_memory_bitwi
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    target, victim = rng.randint(5, 30), rng.randrange(2)
+    # (never next to step 21, which durable storage holds too: a resume there could not
+    # show that the shards came from memory; rehearsal Q drew it once)
+    target, victim = rng.choice([*range(5, 18), *range(24, 31)]), rng.randrange(2)
     job = _job(procs, "job", "--step-sleep", "0.1")
     wait_for(lambda: memtier_run._last_step(procs, "job", victim) >= target, 200, f"step {target}")
     pid = memtier_run._lines(procs, "job", victim)[0]["pid"]
