@@ -28,6 +28,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flexrun.testing.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
 PROBE = SCRIPTS / "probe.py"
@@ -51,12 +53,6 @@ OLD_DEFAULT_BACKEND = torchrun_2_13(
 )
 NO_SHUTDOWN_TIMEOUT = torchrun_2_13("has no --shutdown-timeout")
 WORKER_LINE = re.compile(r"(?:out|err) line \d+ rank \d+.*|trained .*|stdin said .*|handshake .*")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def squatted_port() -> tuple[int, socket.socket]:

@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexrun.cli import main
+from flexrun.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -71,17 +71,11 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.chdir(old)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def tcp_store() -> Iterator[int]:
     from flexrun.store.tcp import TcpStoreServer
 
-    port = _free_port()
+    port = free_port()
     server = TcpStoreServer("127.0.0.1", port)
     try:
         yield port

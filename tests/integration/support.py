@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,10 @@ import pytest
 from filelock import FileLock
 
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
+from flexrun.testing.ports import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 DDP_STEPS = SCRIPTS / "ddp_steps.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import ssl
 import subprocess
 import threading
@@ -12,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import free_port
 
 from flexrun.config import StoreSettings, store_credentials
 from flexrun.errors import ConfigError, StoreError, StoreUnavailable
@@ -20,6 +20,7 @@ from flexrun.store.etcd import EtcdStore
 from flexrun.store.factory import connect
 from flexrun.store.signed import SignedStore
 from flexrun.testing.etcd_server import MISSING, EtcdCluster, etcd_binary
+from flexrun.testing.ports import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,8 +65,32 @@ def test_a_client_fails_over_when_its_etcd_member_dies_mid_watch(tmp_path: Path)
             store.close()
 
 
+def test_a_cluster_whose_picked_port_was_taken_starts_on_new_ports(tmp_path: Path) -> None:
+    """Another process binding a picked port before etcd does (CI once saw a member's
+    client and peer port collide) costs a retry on new ports, not the test."""
+    _require_etcd()
+    cluster = EtcdCluster(tmp_path / "etcd", size=2)
+    squat = socket.socket()
+    squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        taken = cluster.peer_ports[1]
+        squat.bind(("127.0.0.1", taken))
+        squat.listen()
+        with cluster:
+            assert taken not in cluster.peer_ports + cluster.client_ports
+            assert "address already in use" in (tmp_path / "etcd" / "m1.log").read_text()
+            store = EtcdStore(cluster.endpoints, connect_timeout_s=10)
+            try:
+                store.put("k", b"v")
+                assert store.get("k") is not None
+            finally:
+                store.close()
+    finally:
+        squat.close()
+
+
 def test_unreachable_endpoints_raise_store_unavailable_naming_every_endpoint() -> None:
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     with pytest.raises(StoreUnavailable) as err:
         EtcdStore([("127.0.0.1", p) for p in ports], connect_timeout_s=0.5)
     assert all(f"127.0.0.1:{p}" in str(err.value) for p in ports)

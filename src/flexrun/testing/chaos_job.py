@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import psutil
 from flexrun.errors import ConfigError
 from flexrun.testing import invariants as inv
 from flexrun.testing.chaos_schedule import Fault
+from flexrun.testing.ports import free_port
 
 WORKLOAD = Path(__file__).with_name("chaos_workload.py")
 # is_host=0: the agents are clients of the standalone store that restart_store restarts. An
@@ -89,12 +89,6 @@ class JobSpec:
         if self.shards > 1:
             args += ["--shards", str(self.shards), "--shard-out", str(self.shard_out)]
         return args + list(self.extra_args)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_env() -> dict[str, str]:

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -25,9 +24,15 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from flexrun.testing.ports import free_ports
+
 MISSING = (
     "no `etcd` binary on PATH (Debian/Ubuntu: apt-get install etcd-server; or set FLEXRUN_ETCD)"
 )
+
+
+BIND_ATTEMPTS = 3
+"""How many sets of ports ``EtcdCluster.start`` tries before a bind failure is raised."""
 
 
 def etcd_binary() -> str | None:
@@ -36,12 +41,6 @@ def etcd_binary() -> str | None:
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     return shutil.which("etcd")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _status(
@@ -83,8 +82,7 @@ class EtcdCluster:
         self.binary = found
         self.size = size
         self.root = Path(data_root)
-        self.client_ports = [_free_port() for _ in range(size)]
-        self.peer_ports = [_free_port() for _ in range(size)]
+        self._pick_ports()
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
         self.tls = tls
         self.client_cert_auth = client_cert_auth
@@ -163,12 +161,31 @@ class EtcdCluster:
         finally:
             log.close()
 
+    def _pick_ports(self) -> None:
+        ports = free_ports(2 * self.size)
+        self.client_ports, self.peer_ports = ports[: self.size], ports[self.size :]
+
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
-        """Start every member and wait until each serves the v3 API with a leader."""
-        for i in range(self.size):
-            self.start_member(i)
-        self.wait_ready(timeout_s)
-        return self
+        """Start every member and wait until each serves the v3 API with a leader.
+
+        A member that finds one of its ports taken (another process bound it after it
+        was picked) makes every member start again on new ports, up to
+        ``BIND_ATTEMPTS`` times; any other failure is raised at once."""
+        attempt = 1
+        while True:
+            for i in range(self.size):
+                self.start_member(i)
+            try:
+                self.wait_ready(timeout_s)
+                return self
+            except RuntimeError as err:
+                if "address already in use" not in str(err) or attempt >= BIND_ATTEMPTS:
+                    raise
+            self.stop()
+            for i in range(self.size):
+                shutil.rmtree(self.root / f"m{i}", ignore_errors=True)
+            self._pick_ports()
+            attempt += 1
 
     def wait_ready(self, timeout_s: float = 30.0, members: list[int] | None = None) -> None:
         """Block until the given (default: running) members answer and agree on a leader."""

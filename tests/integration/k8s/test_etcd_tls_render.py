@@ -33,7 +33,6 @@ from k8s_pods import (
     expand,
     torch_plugin_env,
 )
-from support import free_port
 
 from flexrun.errors import StoreUnavailable
 from flexrun.k8s.render import render
@@ -41,6 +40,7 @@ from flexrun.k8s.spec import parse_job_spec
 from flexrun.k8s.spec_types import JOB_SECRET_DIR, JOB_SECRET_KEY
 from flexrun.store.etcd import EtcdStore
 from flexrun.testing.etcd_server import MISSING, etcd_binary
+from flexrun.testing.ports import free_ports
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,8 +99,8 @@ class _Members:
         self.n = int(sts["spec"]["replicas"])
         name, peers = sts["metadata"]["name"], sts["spec"]["serviceName"]
         self.pods = [f"{name}-{i}" for i in range(self.n)]
-        self.client_ports = [free_port() for _ in range(self.n)]
-        self.peer_ports = [free_port() for _ in range(self.n)]
+        ports = free_ports(2 * self.n)
+        self.client_ports, self.peer_ports = ports[: self.n], ports[self.n :]
         names: dict[tuple[str, int], tuple[str, int]] = {}
         for i, pod in enumerate(self.pods):
             names[(f"{pod}.{peers}", 2379)] = ("127.0.0.1", self.client_ports[i])

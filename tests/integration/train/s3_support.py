@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from flexrun.testing.ports import free_port
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -24,12 +25,6 @@ CREDENTIALS = {
 }
 PART_BYTES = 5 << 20
 """S3's smallest multipart part: big enough files really go multipart in tests."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -84,7 +79,7 @@ def s3_endpoint() -> Iterator[str]:
 
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update(CREDENTIALS)
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

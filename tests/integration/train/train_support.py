@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from flexrun.testing.ports import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "train_elastic.py"
 HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(pred: Callable[[], object], timeout: float, what: str) -> object:
@@ -95,7 +90,7 @@ class Launcher:
         env: dict[str, str] | None = None,
         restart_count: int = 0,
     ) -> Group:
-        port = _free_port()
+        port = free_port()
         self._n += 1
         procs, logs = [], []
         for rank in range(world):
