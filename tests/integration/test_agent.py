@@ -388,8 +388,6 @@ def test_a_worker_that_sleeps_forever_in_a_step_is_caught_with_its_stack_and_the
             "1",
             "--hang-timeout",
             "3",
-            "--warm-spares",
-            "0",
             "--run-dir",
             str(run_dir),
             str(script),

@@ -23,8 +23,6 @@ def _run(procs: Procs, name: str, *flags: str, script_args: tuple[str, ...] = ()
             "--standalone",
             "--nproc-per-node",
             "2",
-            "--warm-spares",
-            "0",
             "--run-dir",
             str(run_dir),
             *flags,

@@ -67,7 +67,7 @@ def test_pods_write_run_dirs_on_the_volume_and_one_report_reads_them_all(tmp_pat
     work = tmp_path / pod
     work.mkdir()
     res = _flexrun(
-        "run", "--standalone", "--nproc-per-node", "2", "--warm-spares", "0",
+        "run", "--standalone", "--nproc-per-node", "2",
         "--max-restarts", "1", "--hang-timeout", "3", str(HANG_SCRIPT),
         "--hang-at", "10", "--marker", str(work / "hung-once"),
         env=dict(base, PET_RUN_DIR=run_dir), cwd=work,
