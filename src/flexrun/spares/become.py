@@ -140,7 +140,8 @@ def _run_script(task: Assignment) -> None:
     except BaseException as exc:
         tb = exc.__traceback__
         while tb is not None:
-            _KEPT.append(tb.tb_frame.f_globals)
+            if not any(kept is tb.tb_frame.f_globals for kept in _KEPT):
+                _KEPT.append(tb.tb_frame.f_globals)
             tb = tb.tb_next
         raise
     _KEPT.append(namespace)
