@@ -8,6 +8,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +88,36 @@ def test_a_cluster_whose_picked_port_was_taken_starts_on_new_ports(tmp_path: Pat
                 store.close()
     finally:
         squat.close()
+
+
+def test_closing_the_store_ends_a_watch_in_flight_with_a_store_error(etcd1: EtcdCluster) -> None:
+    """An agent closes its store at the end while its watch thread is in a read: that read
+    ends with a StoreError (the watch thread's "the store is gone"), never with http.client's
+    AttributeError on the closed response, nor with new connections to etcd (a rehearsal's
+    agent printed that traceback as its job ended)."""
+    for _ in range(5):
+        store = EtcdStore(etcd1.endpoints, connect_timeout_s=10, request_timeout_s=10)
+        store.put("w/x", b"1")
+        since = store.revision()
+        raised: list[BaseException] = []
+
+        def watch(
+            s: EtcdStore = store, rev: int = since, out: list[BaseException] = raised
+        ) -> None:
+            try:
+                s.wait_for_change("w/", rev, 30)
+            except BaseException as exc:  # noqa: BLE001 (the test looks at what it was)
+                out.append(exc)
+
+        waiter = threading.Thread(target=watch)
+        waiter.start()
+        time.sleep(0.5)  # (the watch stream is open and its read waits for an event)
+        t_close = time.monotonic()
+        store.close()
+        waiter.join(timeout=15)
+        assert not waiter.is_alive(), "the watch outlived its store by 15 s"
+        assert time.monotonic() - t_close < 5
+        assert len(raised) == 1 and isinstance(raised[0], StoreError), raised
 
 
 def test_unreachable_endpoints_raise_store_unavailable_naming_every_endpoint() -> None:

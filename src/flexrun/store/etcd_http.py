@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -125,7 +126,9 @@ class Transport:
             Unreachable: no answer (connection failed, timed out, 503).
             EtcdRefused: etcd answered with an error.
         """
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None) if keep else None
+        conn: http.client.HTTPConnection | None = (
+            getattr(self._local, "conn", None) if keep else None
+        )
         if conn is None:
             conn = self._new(timeout_s)
             if keep:
@@ -188,9 +191,15 @@ class Transport:
             self._drop(conn)
 
     def close(self) -> None:
+        """Close every connection, those other threads are reading too: each socket is shut
+        down first, which ends a read blocked on it at once (closing alone does not)."""
         with self._lock:
             conns, self._open = self._open, []
         for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # (already shut down by its peer)
+                    sock.shutdown(socket.SHUT_RDWR)
             conn.close()
 
 
@@ -247,6 +256,8 @@ class Cluster:
         while True:
             start = self._current
             for i in range(n):
+                if self._closed:  # (closed by another thread meanwhile: connect no more)
+                    raise StoreUnavailable("etcd store client is closed")
                 t = self.transports[(start + i) % n]
                 timeout_s = max(0.05, min(attempt_s, deadline - self._clock.monotonic()))
                 try:

@@ -58,6 +58,9 @@ class Stream:
         if sock is not None:
             sock.settimeout(max(0.01, read_s))
         while True:
+            if self._resp.isclosed():  # (its store was closed by another thread)
+                self.close()
+                raise Unreachable("the watch stream was closed")
             try:
                 line = self._resp.readline()
             except TimeoutError:
@@ -66,6 +69,12 @@ class Stream:
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 raise Unreachable(str(exc) or type(exc).__name__) from exc
+            except (AttributeError, ValueError) as exc:
+                if not self._resp.isclosed():
+                    raise
+                # http.client reading a response that another thread closed under it
+                self.close()
+                raise Unreachable("the watch stream was closed") from exc
             try:
                 message = watch_message(line)
             except Unreachable:
