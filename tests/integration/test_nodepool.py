@@ -28,9 +28,10 @@ import json, os, sys, time
 import helper_mod  # only on the agent's PYTHONPATH, not the daemon's
 out = sys.argv[1]
 rank = os.environ["RANK"]
-with open(f"{out}.{rank}.json", "w") as fh:
+with open(f"{out}.{rank}.json.tmp", "w") as fh:  # (renamed: the test never reads half)
     json.dump({"pid": os.getpid(), "cwd": os.getcwd(), "rank": rank,
                "world": os.environ["WORLD_SIZE"], "helper": helper_mod.VALUE}, fh)
+os.replace(f"{out}.{rank}.json.tmp", f"{out}.{rank}.json")
 time.sleep(float(os.environ.get("SLEEP", "0")))
 sys.exit(int(os.environ.get("CODE_RANK_" + rank, "0")))
 """
