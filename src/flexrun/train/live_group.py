@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -85,6 +86,8 @@ class EpochGroup:
         )
         report_to(self.store, self._rejected)
         self._raw = self._connect_raw()
+        self._raw_stale = False
+        """Its connection may be held by a forming thread left behind: reconnect first."""
         self.inplace = InPlaceGroups(enabled=env.reconfigure, timeout_s=timeout_s,
             namespace=self.keys.root + "reconf/", raw_store=lambda: self._raw, emit=self._emit)  # fmt: skip
 
@@ -211,7 +214,7 @@ class EpochGroup:
         """A group of ``size`` of ``rec``'s members (this one at ``rank``), named ``name``
         in the epoch's namespace, given up with the epoch's (raises LiveAborted as form)."""
         prefix = dist.PrefixStore(f"{self.keys.epoch_namespace(rec.number)}{name}/", self._raw)
-        pg = _gloo(prefix, rank, size, self.timeout_s, f"epoch {rec.number}'s group {name}")
+        pg = self._fresh(prefix, rank, size, rec.number, f"epoch {rec.number}'s group {name}")
         self._subgroups.append(pg)
         return pg
 
@@ -305,6 +308,8 @@ class EpochGroup:
             raise LiveAborted(f"epoch {rec.number}: {exc}") from exc
 
     def _post(self, rec: EpochRecord, rank: int, report: MemberReport) -> Any:
+        if self._raw_stale:
+            return self._patiently(lambda: self._repost(rec, rank, report))
         prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
         try:
             prefix.set(LiveKeys.ready(rank), report.encode())
@@ -322,6 +327,7 @@ class EpochGroup:
         probe(self.env.store_host, self.env.store_port, 0.0)
         try:
             self._raw = self._connect_raw()
+            self._raw_stale = False
             prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
             prefix.set(LiveKeys.ready(rank), report.encode())
         except RuntimeError as exc:
@@ -339,10 +345,24 @@ class EpochGroup:
         prefix = self._prefix or dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
         self._prefix = None
         pg = self.inplace.form(rec.number, handles or [], lambda: _newer(self, rec.number))
-        self.pg = pg or _gloo(prefix, rank, world, self.timeout_s, f"epoch {rec.number}'s group")
+        self.pg = pg or self._fresh(prefix, rank, world, rec.number, f"epoch {rec.number}'s group")
         self.epoch = rec
         self.pending_change = False
         return rank, world
+
+    def _fresh(self, prefix: Any, rank: int, world: int, number: int, what: str) -> Any:
+        return _gloo(prefix, rank, world, self.timeout_s, what,
+                     superseded=lambda: _newer(self, number), left_behind=self._left_behind)  # fmt: skip
+
+    def _left_behind(self) -> None:
+        """A forming thread left behind may hold the raw store connection: take a new one
+        (at the next agreement, when the store cannot be reached now)."""
+        try:
+            probe(self.env.store_host, self.env.store_port, 0.0)
+            self._raw = self._connect_raw()
+        except (StoreUnavailable, RuntimeError) as exc:
+            log.warning("no new store connection after leaving a forming group (%s)", exc)
+            self._raw_stale = True
 
     # -- job-wide markers ---------------------------------------------------------------------
     def formed_before(self) -> bool:
@@ -365,16 +385,54 @@ def _newer(group: EpochGroup, number: int) -> bool:
     return latest is not None and latest.number > number
 
 
-def _gloo(prefix: Any, rank: int, world: int, timeout_s: float, what: str) -> Any:
-    """A gloo process group on ``prefix``.
+def _gloo(
+    prefix: Any,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    what: str,
+    *,
+    superseded: Callable[[], bool],
+    left_behind: Callable[[], None],
+) -> Any:
+    """A gloo process group on ``prefix``, formed on a thread of its own.
+
+    Gloo's rendezvous waits out its whole timeout for a member that never connects: one
+    lost between the agreement and the group (killed, or stopped and then killed) held the
+    others two minutes while the agent had long published the next epoch, and they missed
+    it. Here the wait ends as soon as ``superseded()`` (asked every 0.1 s while it forms)
+    sees a newer epoch; the thread is left to its timeout, the group it may still form is
+    never used (nor destroyed: ``leak``), and ``left_behind()`` is told, since the thread
+    may hold the connection under ``prefix`` (a c10d store client serves one request at a
+    time, a wait included).
 
     Raises:
-        LiveAborted: it could not form (a member or the store went away).
+        LiveAborted: it could not form (a member or the store went away), or it was
+            superseded while forming.
     """
-    try:
-        return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
+    done, box = threading.Event(), dict[str, Any]()
+
+    def form() -> None:
+        try:
+            pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
+            leak(pg)  # (whether used or left: a gloo group is never destroyed)
+            box["pg"] = pg
+        except Exception as exc:  # handed to the caller below (or dropped once it left)
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=form, name=f"flexrun-form {what}", daemon=True).start()
+    while not done.wait(0.1):
+        if superseded():
+            left_behind()
+            raise LiveAborted(f"{what} was superseded while it formed")
+    if "error" in box:
+        exc = box["error"]
+        if not isinstance(exc, RuntimeError):  # (c10d's errors are; anything else is a bug)
+            raise exc
         raise LiveAborted(f"{what} did not form: {str(exc).splitlines()[0][:200]}") from exc
+    return box["pg"]
 
 
 __all__ = ["EpochGroup", "LiveAborted", "LiveEnv", "TrainingFinished"]

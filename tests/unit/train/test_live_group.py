@@ -4,6 +4,7 @@ in-process store and one thread per member: the pieces of a live recovery below 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,55 @@ def test_a_newer_epoch_ends_an_agreement_that_cannot_complete(
             a.agree(rec, MemberReport(3, True, "x"), has_state=True)
     finally:
         timer.cancel()
+
+
+@pytest.mark.parametrize("which", ["group", "subgroup"])
+def test_a_member_lost_before_the_group_forms_costs_the_others_nothing_past_the_next_epoch(
+    server: TcpStoreServer, tmp_path: Path, which: str
+) -> None:
+    """Both agreed; "b" is lost before it forms the epoch's group (or, sharded, the
+    subgroup of its shard's replicas): gloo would wait for it the whole timeout (30 s
+    here). The next epoch, published 0.3 s later, ends a's wait; a's store connection,
+    which the abandoned forming thread still holds, is replaced, so the next epoch's
+    agreement and group form at once."""
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=30)
+    b = EpochGroup(_env(server.port, "b", tmp_path), timeout_s=30)
+    rec = EpochRecord(1, ("a", "b"), True)
+    _publish(a, rec)
+    report = MemberReport(3, True, "x")
+    _run_all([lambda: a.agree(rec, report, has_state=True),
+              lambda: b.agree(rec, report, has_state=True)])  # fmt: skip
+    if which == "subgroup":
+        _run_all([lambda: a.form(rec), lambda: b.form(rec)])
+    timer = threading.Timer(0.3, _publish, (a, EpochRecord(2, ("a", "b"), True)))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LiveAborted, match="superseded while it formed"):
+            a.form(rec) if which == "group" else a.subgroup(rec, "r1", 0, 2)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 10, "waited for the lost member, not for the next epoch"
+    rec2 = EpochRecord(2, ("a", "b"), True)
+    a.abandon()
+    b.abandon()
+    t0 = time.monotonic()
+    _run_all([lambda: a.agree(rec2, report, has_state=True),
+              lambda: b.agree(rec2, report, has_state=True)])  # fmt: skip
+    assert _run_all([lambda: a.form(rec2), lambda: b.form(rec2)]) == [(0, 2), (1, 2)]
+    assert time.monotonic() - t0 < 10, "the next epoch waited on the abandoned connection"
+    a.leak_all()
+    b.leak_all()
+
+
+def test_a_group_that_cannot_form_is_an_aborted_epoch(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=1)
+    rec = EpochRecord(1, ("a", "gone"), True)
+    _publish(a, rec)
+    with pytest.raises(LiveAborted, match="epoch 1's group did not form: .*timeout"):
+        a.form(rec)
 
 
 def test_a_stateless_worker_leaves_once_the_job_is_done(

@@ -176,3 +176,28 @@ def test_with_a_secret_a_record_written_without_it_is_ignored(
     assert a.read_epoch() == good  # the forgery does not verify: the last good one stands
     rejected = [e for e in _events(tmp_path, "a") if e["event"] == "store_record_rejected"]
     assert rejected and rejected[0]["key"] == LiveKeys("unit").epoch
+
+
+def test_a_group_left_forming_while_the_store_is_away_agrees_next_on_a_new_connection(
+    server: Server, tmp_path: Path
+) -> None:
+    """A forming thread left behind keeps the old raw connection (blocked in gloo's wait,
+    it would hold every request behind it); when no new one can be had at that moment,
+    the next agreement makes one instead of queueing on the old."""
+    a, b = _group(server, "a", tmp_path), _group(server, "b", tmp_path)
+    server.stop()
+    a._left_behind()
+    assert a._raw_stale
+
+    class Held:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the connection a forming thread holds was used ({name})")
+
+    a._raw = Held()
+    server.start()
+    rec = EpochRecord(2, ("a", "b"), False)
+    TcpStore("127.0.0.1", server.port).put(LiveKeys("unit").epoch, rec.encode())
+    _form(a, b, rec)
+    assert not a._raw_stale
+    a.leak_all()
+    b.leak_all()
