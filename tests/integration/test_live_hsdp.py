@@ -8,6 +8,7 @@ without the failure (the group count, so the sum order, is the same once it is b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -110,14 +111,9 @@ def test_a_replacement_lost_during_the_recovery_is_replaced_again_and_nothing_to
     wait_step(run, 15)
     wait_for(lambda: len(list(run.rglob("spare-*.ready"))) >= 4, 90, "four warm spares")
     first = {r["rank"]: r["pid"] for r in step_rows(run) if r["epoch"] == 1}
+    t_kill = time.time()
     os.kill(first[3], signal.SIGKILL)
-
-    def replacement() -> int | None:
-        new = [e for e in read_events(run / "run") if e["event"] == "worker_started"
-               and e["local_rank"] == 3]  # fmt: skip
-        return new[1]["pid"] if len(new) > 1 else None
-
-    victim = wait_for(replacement, 60, "the replacement of rank 3", interval=0.005)
+    victim = replacement(run, 3, after=t_kill)
     os.kill(victim, signal.SIGSTOP)
     assert procs.wait(agent, 300) == 0, procs.stderr("twice")[-3000:]  # type: ignore[arg-type]
 
@@ -161,21 +157,7 @@ def test_the_sending_group_lost_during_the_transfer_resumes_from_the_durable_che
     first = {r["rank"]: r["pid"] for r in step_rows(run) if r["epoch"] == 1}
     t_kill = time.time()
     os.kill(first[3], signal.SIGKILL)
-
-    def sending() -> dict | None:
-        return next((e for e in read_events(run / "run") if e["event"] == "live_transfer_sending"
-                     and e["ts"] > t_kill), None)  # fmt: skip
-
-    hit, deadline = None, time.monotonic() + 60
-    while hit is None and time.monotonic() < deadline:
-        os.kill(first[1], signal.SIGSTOP)
-        time.sleep(0.04)
-        hit = sending()
-        if hit is None:
-            os.kill(first[1], signal.SIGCONT)
-            time.sleep(0.02)
-    assert hit is not None, "no peer transfer within 60 s"
-    os.kill(first[1], signal.SIGKILL)
+    hit = kill_while_sending(run, first[1], receiver=replacement(run, 3, after=t_kill))
     assert procs.wait(agent, 300) == 0, procs.stderr("all")[-3000:]  # type: ignore[arg-type]
 
     events = read_events(run / "run")
@@ -192,6 +174,49 @@ def test_the_sending_group_lost_during_the_transfer_resumes_from_the_durable_che
     got = read_shards(run / "out")
     for i in (0, 1):
         assert len(got[i]) == 2 and all(same_state(reference[i][0], r) for r in got[i]), i
+
+
+def replacement(run: Path, slot: int, *, after: float) -> int:
+    """The pid of the worker started in ``slot`` after ``after`` (epoch seconds)."""
+
+    def started() -> int | None:
+        return next((e["pid"] for e in read_events(run / "run") if e["event"] == "worker_started"
+                     and e["local_rank"] == slot and e["ts"] > after), None)  # fmt: skip
+
+    return wait_for(started, 60, f"the replacement in slot {slot}", interval=0.005)
+
+
+def kill_while_sending(run: Path, source: int, *, receiver: int) -> dict:
+    """Kill -9 ``source`` (the healthy group's shard-1 worker) once a source of the new
+    epoch has announced its transfer (``live_transfer_sending``), before that epoch can
+    complete; returns the event. Source and ``receiver`` (shard 1's new replica) run in
+    turns, 20 ms each and never together (each stopped well under the 0.3 s freeze rule):
+    the epoch ends with a vote of all its members, which the receiver can only cast after
+    it took the shard the source sends in its turn, so a source seen sending at the end of
+    its turn has an epoch that cannot yet be whole. (Stopping the source alone let it
+    catch up with members waiting for it and send and vote within one running slice.)"""
+
+    def sending() -> dict | None:
+        return next((e for e in read_events(run / "run") if e["event"] == "live_transfer_sending"
+                     and e["ts"] > started), None)  # fmt: skip
+
+    started, deadline = time.time(), time.monotonic() + 60
+    hit, turn = None, [receiver, source]
+    os.kill(source, signal.SIGSTOP)
+    try:
+        while hit is None and time.monotonic() < deadline:
+            os.kill(turn[0], signal.SIGCONT)
+            time.sleep(0.02)
+            os.kill(turn[0], signal.SIGSTOP)
+            hit = sending()  # (both stopped)
+            turn.reverse()
+        assert hit is not None, "no peer transfer within 60 s"
+        os.kill(source, signal.SIGKILL)
+    finally:
+        for pid in (receiver, source):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    return hit
 
 
 def durable(ckpt: Path) -> list[int]:
