@@ -177,7 +177,7 @@ def count_etcd(store: Any, counter: Counter) -> None:
 
     watches.watch = counted_watch
     for t in store._transports:
-        post, stream = t.post, t.stream
+        post = t.post
 
         def counted_post(path: str, payload: Any, timeout_s: float, *, auth: bool = True,
                          keep: bool = True, _post: Callable[..., Any] = post) -> Any:
@@ -185,17 +185,7 @@ def count_etcd(store: Any, counter: Counter) -> None:
             counter.add(len(path) + len(json.dumps(payload)) + 120, len(json.dumps(result)) + 100)
             return result
 
-        def counted_stream(path: str, payload: Any, connect_s: float, read_s: float,
-                           _stream: Callable[..., Any] = stream) -> Any:
-            received = 100
-            try:
-                for message in _stream(path, payload, connect_s, read_s):
-                    received += len(json.dumps(message))
-                    yield message
-            finally:
-                counter.add(len(path) + len(json.dumps(payload)) + 120, received)
-
-        t.post, t.stream = counted_post, counted_stream
+        t.post = counted_post
 
 
 class CountingDistStore:

@@ -21,7 +21,7 @@ import json
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from flexrun._clock import Clock
@@ -153,42 +153,6 @@ class Transport:
         except ValueError as exc:
             raise EtcdRefused(resp.status, f"not JSON: {data[:100]!r}") from exc
         return out if isinstance(out, dict) else {}
-
-    def stream(
-        self, path: str, payload: Mapping[str, Any], connect_s: float, read_s: float
-    ) -> Iterator[dict[str, Any]]:
-        """The messages of a streaming answer (a watch), on a connection of its own that
-        is closed when the caller stops reading. A read that times out ends the stream.
-
-        Raises:
-            Unreachable: no answer, or the stream broke (not a read timeout).
-            EtcdRefused: etcd answered with an error.
-        """
-        conn = self._new(connect_s)
-        try:
-            try:
-                resp = self._send(conn, path, payload, connect_s, self.token)
-                if conn.sock is not None:
-                    conn.sock.settimeout(read_s)
-            except (OSError, http.client.HTTPException) as exc:
-                raise Unreachable(_reason(exc)) from exc
-            if resp.status != 200:
-                data = resp.read()
-                if resp.status == 503:
-                    raise Unreachable(error_text(data) or "503 service unavailable")
-                raise EtcdRefused(resp.status, error_text(data) or f"HTTP {resp.status}")
-            while True:
-                try:
-                    line = resp.readline()
-                except TimeoutError:
-                    return
-                except (OSError, http.client.HTTPException) as exc:
-                    raise Unreachable(_reason(exc)) from exc
-                message = watch_message(line)
-                if message is not None:
-                    yield message
-        finally:
-            self._drop(conn)
 
     def close(self) -> None:
         """Close every connection, those other threads are reading too: each socket is shut
