@@ -4,7 +4,8 @@ Owns the worker's side of the epoch protocol: what the agent tells a live worker
 (``LiveEnv``), reading ``live/epoch``, noticing an aborting or growing epoch while a
 collective runs, waiting for an epoch that includes this worker, the members' arrival and
 report exchange under the epoch's own store prefix, and the epoch's process group: a fresh
-``ProcessGroupGloo`` per epoch (old groups are leaked, never aborted or destroyed), or the
+``ProcessGroupGloo`` per epoch (formed by ``flexrun.train.live_raw``, where a newer epoch
+ends the wait; old groups are leaked, never aborted or destroyed), or the
 worker's one group re-formed in place where torch can (``flexrun.train.live_reconf``, the
 path chosen at start and named in the ``live_group_path`` event). It does not decide whose state
 wins (``flexrun.train.live_plan``), move state (``flexrun.train.live_sync``) or run the
@@ -30,13 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import Any, TypeVar
-
-import torch.distributed as dist
 
 from flexrun.errors import LiveAborted, StoreUnavailable, TrainingFinished
 from flexrun.events import EventLog
@@ -44,6 +41,7 @@ from flexrun.live_protocol import EpochRecord, LiveEnv, LiveKeys, MemberReport
 from flexrun.store.factory import connect_from_env
 from flexrun.store.signed import report_to
 from flexrun.store.tcp_server import probe
+from flexrun.train.live_raw import RawStore, form_gloo
 from flexrun.train.live_reconf import InPlaceGroups
 from flexrun.train.live_sync import leak
 
@@ -85,16 +83,9 @@ class EpochGroup:
             env.store_host, env.store_port, os.environ if environ is None else environ
         )
         report_to(self.store, self._rejected)
-        self._raw = self._connect_raw()
-        self._raw_stale = False
-        """Its connection may be held by a forming thread left behind: reconnect first."""
+        self._raw = RawStore(env.store_host, env.store_port, timeout_s)
         self.inplace = InPlaceGroups(enabled=env.reconfigure, timeout_s=timeout_s,
-            namespace=self.keys.root + "reconf/", raw_store=lambda: self._raw, emit=self._emit)  # fmt: skip
-
-    def _connect_raw(self) -> Any:
-        return dist.TCPStore(
-            self.env.store_host, self.env.store_port, None, False, timedelta(seconds=self.timeout_s)
-        )
+            namespace=self.keys.root + "reconf/", raw_store=lambda: self._raw.conn, emit=self._emit)  # fmt: skip
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.events is not None:
@@ -213,8 +204,8 @@ class EpochGroup:
     def subgroup(self, rec: EpochRecord, name: str, rank: int, size: int) -> Any:
         """A group of ``size`` of ``rec``'s members (this one at ``rank``), named ``name``
         in the epoch's namespace, given up with the epoch's (raises LiveAborted as form)."""
-        prefix = dist.PrefixStore(f"{self.keys.epoch_namespace(rec.number)}{name}/", self._raw)
-        pg = self._fresh(prefix, rank, size, rec.number, f"epoch {rec.number}'s group {name}")
+        prefix = self._raw.prefix(f"{self.keys.epoch_namespace(rec.number)}{name}/")
+        pg = _fresh(self, prefix, rank, size, rec.number, f"epoch {rec.number}'s group {name}")
         self._subgroups.append(pg)
         return pg
 
@@ -308,9 +299,9 @@ class EpochGroup:
             raise LiveAborted(f"epoch {rec.number}: {exc}") from exc
 
     def _post(self, rec: EpochRecord, rank: int, report: MemberReport) -> Any:
-        if self._raw_stale:
+        if self._raw.stale:
             return self._patiently(lambda: self._repost(rec, rank, report))
-        prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
+        prefix = self._raw.prefix(self.keys.epoch_namespace(rec.number))
         try:
             prefix.set(LiveKeys.ready(rank), report.encode())
         except RuntimeError as exc:
@@ -326,9 +317,8 @@ class EpochGroup:
         """
         probe(self.env.store_host, self.env.store_port, 0.0)
         try:
-            self._raw = self._connect_raw()
-            self._raw_stale = False
-            prefix = dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
+            self._raw.renew()
+            prefix = self._raw.prefix(self.keys.epoch_namespace(rec.number))
             prefix.set(LiveKeys.ready(rank), report.encode())
         except RuntimeError as exc:
             raise StoreUnavailable(f"store failed during agreement: {exc}") from exc
@@ -342,27 +332,13 @@ class EpochGroup:
             LiveAborted: the group could not form (a member or the store went away).
         """
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
-        prefix = self._prefix or dist.PrefixStore(self.keys.epoch_namespace(rec.number), self._raw)
+        prefix = self._prefix or self._raw.prefix(self.keys.epoch_namespace(rec.number))
         self._prefix = None
         pg = self.inplace.form(rec.number, handles or [], lambda: _newer(self, rec.number))
-        self.pg = pg or self._fresh(prefix, rank, world, rec.number, f"epoch {rec.number}'s group")
+        self.pg = pg or _fresh(self, prefix, rank, world, rec.number, f"epoch {rec.number}'s group")
         self.epoch = rec
         self.pending_change = False
         return rank, world
-
-    def _fresh(self, prefix: Any, rank: int, world: int, number: int, what: str) -> Any:
-        return _gloo(prefix, rank, world, self.timeout_s, what,
-                     superseded=lambda: _newer(self, number), left_behind=self._left_behind)  # fmt: skip
-
-    def _left_behind(self) -> None:
-        """A forming thread left behind may hold the raw store connection: take a new one
-        (at the next agreement, when the store cannot be reached now)."""
-        try:
-            probe(self.env.store_host, self.env.store_port, 0.0)
-            self._raw = self._connect_raw()
-        except (StoreUnavailable, RuntimeError) as exc:
-            log.warning("no new store connection after leaving a forming group (%s)", exc)
-            self._raw_stale = True
 
     # -- job-wide markers ---------------------------------------------------------------------
     def formed_before(self) -> bool:
@@ -376,6 +352,12 @@ class EpochGroup:
         self._patiently(lambda: self.store.put(self.keys.done, str(steps).encode()))
 
 
+def _fresh(group: EpochGroup, prefix: Any, rank: int, world: int, number: int, what: str) -> Any:
+    """A fresh gloo group for epoch ``number`` (raises LiveAborted: see ``form_gloo``)."""
+    return form_gloo(prefix, rank, world, group.timeout_s, what,
+                     superseded=lambda: _newer(group, number), left_behind=group._raw.left_behind)  # fmt: skip
+
+
 def _newer(group: EpochGroup, number: int) -> bool:
     """An epoch newer than ``number`` is published (False while the store is away)."""
     try:
@@ -383,56 +365,6 @@ def _newer(group: EpochGroup, number: int) -> bool:
     except StoreUnavailable:
         return False
     return latest is not None and latest.number > number
-
-
-def _gloo(
-    prefix: Any,
-    rank: int,
-    world: int,
-    timeout_s: float,
-    what: str,
-    *,
-    superseded: Callable[[], bool],
-    left_behind: Callable[[], None],
-) -> Any:
-    """A gloo process group on ``prefix``, formed on a thread of its own.
-
-    Gloo's rendezvous waits out its whole timeout for a member that never connects: one
-    lost between the agreement and the group (killed, or stopped and then killed) held the
-    others two minutes while the agent had long published the next epoch, and they missed
-    it. Here the wait ends as soon as ``superseded()`` (asked every 0.1 s while it forms)
-    sees a newer epoch; the thread is left to its timeout, the group it may still form is
-    never used (nor destroyed: ``leak``), and ``left_behind()`` is told, since the thread
-    may hold the connection under ``prefix`` (a c10d store client serves one request at a
-    time, a wait included).
-
-    Raises:
-        LiveAborted: it could not form (a member or the store went away), or it was
-            superseded while forming.
-    """
-    done, box = threading.Event(), dict[str, Any]()
-
-    def form() -> None:
-        try:
-            pg = dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
-            leak(pg)  # (whether used or left: a gloo group is never destroyed)
-            box["pg"] = pg
-        except Exception as exc:  # handed to the caller below (or dropped once it left)
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=form, name=f"flexrun-form {what}", daemon=True).start()
-    while not done.wait(0.1):
-        if superseded():
-            left_behind()
-            raise LiveAborted(f"{what} was superseded while it formed")
-    if "error" in box:
-        exc = box["error"]
-        if not isinstance(exc, RuntimeError):  # (c10d's errors are; anything else is a bug)
-            raise exc
-        raise LiveAborted(f"{what} did not form: {str(exc).splitlines()[0][:200]}") from exc
-    return box["pg"]
 
 
 __all__ = ["EpochGroup", "LiveAborted", "LiveEnv", "TrainingFinished"]

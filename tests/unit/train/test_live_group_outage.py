@@ -186,18 +186,18 @@ def test_a_group_left_forming_while_the_store_is_away_agrees_next_on_a_new_conne
     the next agreement makes one instead of queueing on the old."""
     a, b = _group(server, "a", tmp_path), _group(server, "b", tmp_path)
     server.stop()
-    a._left_behind()
-    assert a._raw_stale
+    a._raw.left_behind()
+    assert a._raw.stale
 
     class Held:
         def __getattr__(self, name: str) -> Any:
             raise AssertionError(f"the connection a forming thread holds was used ({name})")
 
-    a._raw = Held()
+    a._raw.conn = Held()
     server.start()
     rec = EpochRecord(2, ("a", "b"), False)
     TcpStore("127.0.0.1", server.port).put(LiveKeys("unit").epoch, rec.encode())
     _form(a, b, rec)
-    assert not a._raw_stale
+    assert not a._raw.stale
     a.leak_all()
     b.leak_all()
