@@ -157,10 +157,9 @@ class EpochGroup:
         self._back()
         current = self.epoch.number if self.epoch else -1
         # (Only a newer number is a change: a restored record is numbered above the last.)
-        if rec is not None and rec.number > current:
-            if rec.abort or self.env.worker_id not in rec.members:
-                raise LiveAborted(f"epoch {rec.number} replaced epoch {current}")
-            self.pending_change = True
+        if rec is not None and _aborts(rec, current, self.env.worker_id):
+            raise LiveAborted(f"epoch {rec.number} replaced epoch {current}")
+        self.pending_change = self.pending_change or (rec is not None and rec.number > current)
 
     def wait(self, work: Any) -> None:
         """Wait for a collective, watching for an aborting epoch change.
@@ -334,7 +333,7 @@ class EpochGroup:
         rank, world = rec.members.index(self.env.worker_id), len(rec.members)
         prefix = self._prefix or self._raw.prefix(self.keys.epoch_namespace(rec.number))
         self._prefix = None
-        pg = self.inplace.form(rec.number, handles or [], lambda: _newer(self, rec.number))
+        pg = self.inplace.form(rec.number, handles or [], lambda: _replaced(self, rec.number))
         self.pg = pg or _fresh(self, prefix, rank, world, rec.number, f"epoch {rec.number}'s group")
         self.epoch = rec
         self.pending_change = False
@@ -355,16 +354,25 @@ class EpochGroup:
 def _fresh(group: EpochGroup, prefix: Any, rank: int, world: int, number: int, what: str) -> Any:
     """A fresh gloo group for epoch ``number`` (raises LiveAborted: see ``form_gloo``)."""
     return form_gloo(prefix, rank, world, group.timeout_s, what,
-                     superseded=lambda: _newer(group, number), left_behind=group._raw.left_behind)  # fmt: skip
+                     superseded=lambda: _replaced(group, number), left_behind=group._raw.left_behind)  # fmt: skip
 
 
-def _newer(group: EpochGroup, number: int) -> bool:
-    """An epoch newer than ``number`` is published (False while the store is away)."""
+def _replaced(group: EpochGroup, number: int) -> bool:
+    """The published epoch ends epoch ``number`` for this worker (False while the store is
+    away). Forming a group stops on the rule its collectives follow: a growing epoch keeps
+    every member, so the group forms (a member that stopped alone would leave the others
+    waiting in their first collective on it, taking the change only at a step boundary)."""
     try:
         latest = group.read_epoch()
     except StoreUnavailable:
         return False
-    return latest is not None and latest.number > number
+    return latest is not None and _aborts(latest, number, group.env.worker_id)
+
+
+def _aborts(rec: EpochRecord, current: int, worker_id: str) -> bool:
+    """``rec`` ends epoch ``current`` at once: newer, and aborting or leaving ``worker_id``
+    out (a growing epoch is taken at the next step boundary)."""
+    return rec.number > current and (rec.abort or worker_id not in rec.members)
 
 
 __all__ = ["EpochGroup", "LiveAborted", "LiveEnv", "TrainingFinished"]

@@ -72,7 +72,7 @@ def form_gloo(
     lost between the agreement and the group (killed, or stopped and then killed) held the
     others two minutes while the agent had long published the next epoch, and they missed
     it. Here the wait ends as soon as ``superseded()`` (asked every 0.1 s while it forms)
-    sees a newer epoch; the thread is left to its timeout, the group it may still form is
+    says a newer epoch ended this one; the thread is left to its timeout, the group it may still form is
     never used (nor destroyed: ``leak``), and ``left_behind()`` is told, since the thread
     may hold the connection under ``prefix`` (a c10d store client serves one request at a
     time, a wait included).

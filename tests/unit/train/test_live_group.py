@@ -140,6 +140,31 @@ def test_a_member_lost_before_the_group_forms_costs_the_others_nothing_past_the_
     b.leak_all()
 
 
+def test_a_growing_epoch_published_while_the_group_forms_does_not_stop_it(
+    server: TcpStoreServer, tmp_path: Path
+) -> None:
+    """A joiner's epoch (growing: every member stays) appears while "a" waits for "b" to
+    form the group: "a" goes on forming (it takes the change at a step boundary). Had it
+    stopped alone, its forming thread would still complete the group for "b", who would
+    then wait in its first collective on "a" for the whole timeout."""
+    a = EpochGroup(_env(server.port, "a", tmp_path), timeout_s=30)
+    b = EpochGroup(_env(server.port, "b", tmp_path), timeout_s=30)
+    rec = EpochRecord(1, ("a", "b"), True)
+    _publish(a, rec)
+
+    def late_b() -> tuple[int, int]:
+        time.sleep(0.3)
+        _publish(b, EpochRecord(2, ("a", "b", "c"), False))
+        time.sleep(0.3)
+        return b.form(rec)
+
+    assert _run_all([lambda: a.form(rec), late_b]) == [(0, 2), (1, 2)]
+    a.check_epoch(time.monotonic() + 1)
+    assert a.pending_change
+    a.leak_all()
+    b.leak_all()
+
+
 def test_a_group_that_cannot_form_is_an_aborted_epoch(
     server: TcpStoreServer, tmp_path: Path
 ) -> None:
