@@ -75,7 +75,7 @@ from flexrun.train.live_durable import LiveDurability
 from flexrun.train.live_goodput import LostTime
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
-from flexrun.train.live_shards import Shards, micro_chunks, shard_mesh
+from flexrun.train.live_shards import Shards, micro_chunks, settle, shard_mesh
 from flexrun.train.live_sync import broadcast_state, state_checksum
 from flexrun.train.stopsignal import hold as hold_stop_signal
 
@@ -121,6 +121,12 @@ class Step:
         """Backward of a loss that is the mean over the last micro-batch, weighted by its
         share of the global batch (uneven splits are exact, not rejected)."""
         (loss * (self._loop._current_micro / self._loop.global_batch)).backward()
+
+
+def _settled(shards: Shards | None, *, voted: bool) -> bool:
+    """Whether the step's vote completed for this worker (``voted``) and, in a sharded
+    model, for every member of its replica group (``live_shards.settle``)."""
+    return voted if shards is None else settle(voted=voted)
 
 
 def _sum_replicas(
@@ -306,19 +312,19 @@ class LiveLoop:
             # Once per step too: a small world's all-reduce may complete before _wait ever
             # looks, and a joiner would wait many steps to be noticed.
             self.group.check_epoch(time.monotonic())
-        except LiveAborted as exc:
-            self._rejoin(reason=str(exc))
-            return False
-        flags = torch.tensor(
-            [1.0 if self.group.pending_change else 0.0, 1.0 if self._preempted else 0.0]
-        )
-        try:
+            flags = torch.tensor(
+                [1.0 if self.group.pending_change else 0.0, 1.0 if self._preempted else 0.0]
+            )
             if self.shards is not None:
                 self.shards.reduce(self.group.wait, flags, self.group.pg)
             else:
                 flags = _sum_replicas(self.group, self._params, flags)
         except LiveAborted as exc:
+            _settled(self.shards, voted=False)
             self._rejoin(reason=str(exc))
+            return False
+        if not _settled(self.shards, voted=True):
+            self._rejoin(reason="a group-mate did not see the step's vote complete")
             return False
         self.optimizer.step()
         self.committed += 1

@@ -24,6 +24,7 @@ membership (the agents).
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,8 @@ from flexrun.errors import CheckpointError, ConfigError, LiveAborted
 from flexrun.live_protocol import LiveEnv, LiveKeys, MemberReport
 from flexrun.train.live_plan import RecoveryPlan, plan_recovery
 from flexrun.train.live_sync import state_checksum
+
+log = logging.getLogger(__name__)
 
 _GROUP_STORE: list[Any] = []  # (the group's store client lives as long as its process group)
 
@@ -144,6 +147,28 @@ def plan_groups(
     return RecoveryPlan(
         source=0, transfer=len(layout.groups) > 1, load_durable=True, fallback=reason
     )
+
+
+def settle(*, voted: bool, group: Any = None) -> bool:
+    """Whether every member of this replica group (``group``; None: the default group, a
+    sharded live worker's replica group) saw the step's vote complete (this one:
+    ``voted``), so that all of them step the optimizer or none does.
+
+    gloo completes an all-reduce at different moments on different ranks: a member could
+    finish the vote and go on into the next step's FSDP all-gather (a blocking wait) while
+    its group-mate, still waiting, saw an aborting epoch and left to rejoin; the first then
+    waited out gloo's timeout and died, and the group's state with it. Every member posts
+    this exactly once per step, whatever the outcome, and waits for it without looking at
+    epochs: it completes while the group lives (a member lost takes its whole group: the
+    agent drops it; a closed connection reads as not settled).
+    """
+    t = torch.tensor([1 if voted else 0], dtype=torch.int32)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    except RuntimeError as exc:  # a group-mate is gone: its group is being dropped
+        log.warning("the step's settle failed (%s): rejoining", str(exc).splitlines()[0])
+        return False
+    return bool(t.item())
 
 
 class Shards:
@@ -370,4 +395,4 @@ def micro_chunks(indices: list[int], size: int | None, largest: int) -> list[lis
     return out
 
 
-__all__ = ["Layout", "Shards", "local", "micro_chunks", "plan_groups", "shard_mesh"]
+__all__ = ["Layout", "Shards", "local", "micro_chunks", "plan_groups", "settle", "shard_mesh"]
