@@ -31,6 +31,10 @@ class TcpJunk:
 
     def put(self, key: str | bytes, value: bytes) -> None:
         self._c.set(key, value)  # (a bytes key need not be UTF-8)
+        # c10d's set is not answered: a request on this connection returns only after the
+        # server applied it, so the junk is in place before the caller's next step (a flexrun
+        # client's add raced past it once: the counter read 18 where the put got 2).
+        self._c.check([key])
 
     def get(self, key: str) -> bytes | None:
         return bytes(self._c.get(key)) if self._c.check([key]) else None
