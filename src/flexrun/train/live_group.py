@@ -4,8 +4,8 @@ Owns the worker's side of the epoch protocol: what the agent tells a live worker
 (``LiveEnv``), reading ``live/epoch``, noticing an aborting or growing epoch while a
 collective runs, waiting for an epoch that includes this worker, the members' arrival and
 report exchange under the epoch's own store prefix, and the epoch's process group: a fresh
-``ProcessGroupGloo`` per epoch (formed by ``flexrun.train.live_raw``, where a newer epoch
-ends the wait; old groups are leaked, never aborted or destroyed), or the
+``ProcessGroupGloo`` per epoch (formed by ``flexrun.train.live_raw``, where an epoch that
+aborts it ends the wait; old groups are leaked, never aborted or destroyed), or the
 worker's one group re-formed in place where torch can (``flexrun.train.live_reconf``, the
 path chosen at start and named in the ``live_group_path`` event). It does not decide whose state
 wins (``flexrun.train.live_plan``), move state (``flexrun.train.live_sync``) or run the
@@ -314,7 +314,6 @@ class EpochGroup:
         Raises:
             StoreUnavailable: the store is still unreachable.
         """
-        probe(self.env.store_host, self.env.store_port, 0.0)
         try:
             self._raw.renew()
             prefix = self._raw.prefix(self.keys.epoch_namespace(rec.number))

@@ -40,7 +40,13 @@ class RawStore:
         return dist.PrefixStore(namespace, self.conn)
 
     def renew(self) -> None:
-        """A new connection (raises RuntimeError, c10d's, when the store cannot be reached)."""
+        """A new connection, once a refused-connection probe says the store is there.
+
+        Raises:
+            StoreUnavailable: the probe was refused.
+            RuntimeError: c10d's, the connection failed all the same.
+        """
+        probe(self.host, self.port, 0.0)
         self.conn = self._connect()
         self.stale = False
 
@@ -49,7 +55,6 @@ class RawStore:
         at a time, a wait included): take a new one now, or mark it stale when the store
         cannot be reached (the next agreement reconnects)."""
         try:
-            probe(self.host, self.port, 0.0)
             self.renew()
         except (StoreUnavailable, RuntimeError) as exc:
             log.warning("no new store connection after leaving a forming group (%s)", exc)
