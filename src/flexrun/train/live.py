@@ -37,7 +37,8 @@ event; the decision is ``flexrun.train.live_plan.plan_recovery``.
 Modules: this one runs the step loop and its commits; ``live_group`` owns the epochs and
 process groups (steps 1, 2 and 4 and the arrival in 3), ``live_sync`` the checksum and
 the state broadcast, ``live_plan`` the pure recovery decision, ``live_shards`` what
-differs for a sharded model (replica groups of FSDP2 shards: ``--live-shards``).
+differs for a sharded model (replica groups of FSDP2 shards: ``--live-shards``), and
+``live_settle`` how a replica group goes on from a step or a join together.
 
 Backends: gloo with CPU tensors is the only implemented and tested path. NCCL is not
 implemented (nor run on a GPU). The intended design: a
@@ -75,7 +76,8 @@ from flexrun.train.live_durable import LiveDurability
 from flexrun.train.live_goodput import LostTime
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
-from flexrun.train.live_shards import Shards, micro_chunks, settle, shard_mesh
+from flexrun.train.live_settle import settle
+from flexrun.train.live_shards import Shards, micro_chunks, shard_mesh
 from flexrun.train.live_sync import broadcast_state, state_checksum
 from flexrun.train.stopsignal import hold as hold_stop_signal
 
@@ -125,7 +127,7 @@ class Step:
 
 def _settled(shards: Shards | None, *, voted: bool) -> bool:
     """Whether the step's vote completed for this worker (``voted``) and, in a sharded
-    model, for every member of its replica group (``live_shards.settle``)."""
+    model, for every member of its replica group (``live_settle.settle``)."""
     return voted if shards is None else settle(voted=voted)
 
 
@@ -146,6 +148,15 @@ def _sum_replicas(
         p.grad = buf[offset : offset + n].view_as(p).clone()
         offset += n
     return buf[-2:]
+
+
+def _report(loop: LiveLoop) -> MemberReport:
+    """What a worker posts in an epoch's agreement (its loss and group handle aside)."""
+    if loop.shards is not None:
+        return loop.shards.report(loop.committed, loop.has_state)
+    return MemberReport(
+        loop.committed, loop.has_state, state_checksum(loop.model) if loop.has_state else None
+    )
 
 
 def _default_collate(items: Sequence[Any]) -> Any:
@@ -209,11 +220,13 @@ class LiveLoop:
         self._flags = (0.0, 0.0)
         self._params = [p for p in model.parameters()]
         self.lost = LostTime()  # (what disruptions cost: the agent's ETTR subtracts it)
-        self.shards = Shards(self.env, model, optimizer) if self.env.shards > 1 else None
-        """The replica-group side of a sharded model (``flexrun.train.live_shards``)."""
         self.events = EventLog(self.env.run_dir, run_id=self.env.run_id, node=self.env.worker_id)
         self.events.round = self.env.round
         self.group = EpochGroup(self.env, timeout_s=timeout_s, environ=env_vars, events=self.events)
+        self.shards = (
+            Shards(self.env, model, optimizer, self.group) if self.env.shards > 1 else None
+        )
+        """The replica-group side of a sharded model (``flexrun.train.live_shards``)."""
         self.durable = LiveDurability(
             checkpoint_dir, model=model, optimizer=optimizer, env=self.env, events=self.events
         )
@@ -371,20 +384,15 @@ class LiveLoop:
                 return
             except LiveAborted as exc:
                 log.info("epoch %d did not form (%s); waiting for the next", rec.number, exc)
+                if self.shards is not None:
+                    self.shards.joins.failed(rec.number)
                 after = rec.number
 
     def _join(self, rec: EpochRecord, *, reason: str, t0: float) -> None:
         sh = self.shards
-        report = (
-            sh.report(self.committed, self.has_state)
-            if sh is not None
-            else MemberReport(
-                self.committed,
-                self.has_state,
-                state_checksum(self.model) if self.has_state else None,
-            )
-        )
-        report = replace(report, lost_s=self.lost.lost_s, handle=self.group.inplace.handle())
+        if sh is not None:
+            sh.joins.tried(rec.number)
+        report = replace(_report(self), lost_s=self.lost.lost_s, handle=self.group.inplace.handle())
         reports = self.group.agree(rec, report, has_state=self.has_state)
         self.lost.adopt(max(r.lost_s for r in reports))
         if sh is not None:
@@ -426,6 +434,8 @@ class LiveLoop:
             )
         elif error is not None:
             raise CheckpointError(error)
+        if sh is not None:  # (all of the replica group go on from this epoch, or none does)
+            sh.joins.settle(rec.number)
         first = not self.has_state
         self.has_state = True
         self.events.round = self.env.round

@@ -121,7 +121,7 @@ class EpochGroup:
         if self.down_since is not None:
             probe(self.env.store_host, self.env.store_port, 0.0)
 
-    def _patiently(self, fn: Callable[[], _T]) -> _T:
+    def patiently(self, fn: Callable[[], _T]) -> _T:
         """``fn()``, waiting out store outages (however long: the agent, which outlives
         this worker, decides when a job without its store is over)."""
         while True:
@@ -275,14 +275,14 @@ class EpochGroup:
                 # The store went away (a restarted one lost every report): wait for it,
                 # post again, and count the timeout from its return.
                 self._outage(StoreUnavailable(f"store failed during agreement: {exc}"))
-                prefix = self._patiently(lambda: self._repost(rec, rank, report))
+                prefix = self.patiently(lambda: self._repost(rec, rank, report))
                 deadline = time.monotonic() + self.timeout_s
                 continue
             now = time.monotonic()
             if now >= look:
                 look = now + 0.2
-                self._patiently(lambda: self.check_finished(has_state=has_state))
-                latest = self._patiently(self.read_epoch)
+                self.patiently(lambda: self.check_finished(has_state=has_state))
+                latest = self.patiently(self.read_epoch)
                 if latest is not None and latest.number > rec.number:
                     raise LiveAborted(
                         f"epoch {latest.number} superseded {rec.number} during agreement"
@@ -299,13 +299,13 @@ class EpochGroup:
 
     def _post(self, rec: EpochRecord, rank: int, report: MemberReport) -> Any:
         if self._raw.stale:
-            return self._patiently(lambda: self._repost(rec, rank, report))
+            return self.patiently(lambda: self._repost(rec, rank, report))
         prefix = self._raw.prefix(self.keys.epoch_namespace(rec.number))
         try:
             prefix.set(LiveKeys.ready(rank), report.encode())
         except RuntimeError as exc:
             self._outage(StoreUnavailable(f"store failed during agreement: {exc}"))
-            return self._patiently(lambda: self._repost(rec, rank, report))
+            return self.patiently(lambda: self._repost(rec, rank, report))
         return prefix
 
     def _repost(self, rec: EpochRecord, rank: int, report: MemberReport) -> Any:
@@ -341,13 +341,13 @@ class EpochGroup:
     # -- job-wide markers ---------------------------------------------------------------------
     def formed_before(self) -> bool:
         """Some epoch of this job has formed before (so someone once held state)."""
-        return self._patiently(lambda: self.store.get(self.keys.formed)) is not None
+        return self.patiently(lambda: self.store.get(self.keys.formed)) is not None
 
     def mark_formed(self, epoch: int) -> None:
-        self._patiently(lambda: self.store.put(self.keys.formed, str(epoch).encode()))
+        self.patiently(lambda: self.store.put(self.keys.formed, str(epoch).encode()))
 
     def mark_done(self, steps: int) -> None:
-        self._patiently(lambda: self.store.put(self.keys.done, str(steps).encode()))
+        self.patiently(lambda: self.store.put(self.keys.done, str(steps).encode()))
 
 
 def _fresh(group: EpochGroup, prefix: Any, rank: int, world: int, number: int, what: str) -> Any:

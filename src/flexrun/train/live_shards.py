@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from flexrun.errors import CheckpointError, ConfigError, LiveAborted
 from flexrun.live_protocol import LiveEnv, LiveKeys, MemberReport
+from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import RecoveryPlan, plan_recovery
+from flexrun.train.live_settle import GroupJoins
 from flexrun.train.live_sync import state_checksum
 
 log = logging.getLogger(__name__)
@@ -149,33 +151,15 @@ def plan_groups(
     )
 
 
-def settle(*, voted: bool, group: Any = None) -> bool:
-    """Whether every member of this replica group (``group``; None: the default group, a
-    sharded live worker's replica group) saw the step's vote complete (this one:
-    ``voted``), so that all of them step the optimizer or none does.
-
-    gloo completes an all-reduce at different moments on different ranks: a member could
-    finish the vote and go on into the next step's FSDP all-gather (a blocking wait) while
-    its group-mate, still waiting, saw an aborting epoch and left to rejoin; the first then
-    waited out gloo's timeout and died, and the group's state with it. Every member posts
-    this exactly once per step, whatever the outcome, and waits for it without looking at
-    epochs: it completes while the group lives (a member lost takes its whole group: the
-    agent drops it; a closed connection reads as not settled).
-    """
-    t = torch.tensor([1 if voted else 0], dtype=torch.int32)
-    try:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    except RuntimeError as exc:  # a group-mate is gone: its group is being dropped
-        log.warning("the step's settle failed (%s): rejoining", str(exc).splitlines()[0])
-        return False
-    return bool(t.item())
-
-
 class Shards:
     """A sharded live worker's side of the groups (one per LiveLoop)."""
 
     def __init__(
-        self, env: LiveEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        env: LiveEnv,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: EpochGroup,
     ) -> None:
         if not dist.is_initialized() or dist.get_world_size() != env.shards:
             raise ConfigError(
@@ -202,6 +186,7 @@ class Shards:
         self.pg: Any = None
         """The replicate group of this shard in the current epoch."""
         self.position = 0
+        self.joins = GroupJoins(group, env)
 
     def report(self, committed: int, has_state: bool) -> MemberReport:
         return MemberReport(
@@ -395,4 +380,12 @@ def micro_chunks(indices: list[int], size: int | None, largest: int) -> list[lis
     return out
 
 
-__all__ = ["Layout", "Shards", "local", "micro_chunks", "plan_groups", "settle", "shard_mesh"]
+__all__ = [
+    "GroupJoins",
+    "Layout",
+    "Shards",
+    "local",
+    "micro_chunks",
+    "plan_groups",
+    "shard_mesh",
+]

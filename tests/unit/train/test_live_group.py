@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from members_support import run_members
 
 from flexrun.live_protocol import EpochRecord, LiveKeys
 from flexrun.store.tcp import TcpStoreServer
@@ -19,13 +18,6 @@ from flexrun.train.live_plan import MemberReport
 from flexrun.train.live_sync import broadcast_state, state_checksum
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def server() -> Iterator[TcpStoreServer]:
-    srv = TcpStoreServer("127.0.0.1", 0)
-    yield srv
-    srv.close()
 
 
 def _env(port: int, worker: str, tmp: Path) -> LiveEnv:
@@ -45,25 +37,6 @@ def _publish(group: EpochGroup, rec: EpochRecord) -> None:
     group.store.put(LiveKeys("unit").epoch, rec.encode())
 
 
-def _run_all(fns: list[Callable[[], Any]]) -> list[Any]:
-    """Run each member's part in its own thread; return results (or raised exceptions)."""
-    out: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except Exception as exc:  # handed back to the test, which asserts on it
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a member never returned"
-    return out
-
-
 def test_members_agree_on_every_report_in_rank_order(
     server: TcpStoreServer, tmp_path: Path
 ) -> None:
@@ -71,7 +44,7 @@ def test_members_agree_on_every_report_in_rank_order(
     b = EpochGroup(_env(server.port, "b", tmp_path), timeout_s=10)
     rec = EpochRecord(1, ("b", "a"), False)
     _publish(a, rec)
-    got = _run_all(
+    got = run_members(
         [
             lambda: a.agree(rec, MemberReport(5, True, "x"), has_state=True),
             lambda: b.agree(rec, MemberReport(0, False), has_state=False),
@@ -79,7 +52,7 @@ def test_members_agree_on_every_report_in_rank_order(
     )
     expected = [MemberReport(0, False, None), MemberReport(5, True, "x")]
     assert got == [expected, expected]
-    ranks = _run_all([lambda: a.form(rec), lambda: b.form(rec)])
+    ranks = run_members([lambda: a.form(rec), lambda: b.form(rec)])
     assert ranks == [(1, 2), (0, 2)]
     assert a.epoch == rec and a.pg is not None and not a.pending_change
     a.leak_all()
@@ -115,10 +88,10 @@ def test_a_member_lost_before_the_group_forms_costs_the_others_nothing_past_the_
     rec = EpochRecord(1, ("a", "b"), True)
     _publish(a, rec)
     report = MemberReport(3, True, "x")
-    _run_all([lambda: a.agree(rec, report, has_state=True),
+    run_members([lambda: a.agree(rec, report, has_state=True),
               lambda: b.agree(rec, report, has_state=True)])  # fmt: skip
     if which == "subgroup":
-        _run_all([lambda: a.form(rec), lambda: b.form(rec)])
+        run_members([lambda: a.form(rec), lambda: b.form(rec)])
     timer = threading.Timer(0.3, _publish, (a, EpochRecord(2, ("a", "b"), True)))
     timer.start()
     t0 = time.monotonic()
@@ -132,9 +105,9 @@ def test_a_member_lost_before_the_group_forms_costs_the_others_nothing_past_the_
     a.abandon()
     b.abandon()
     t0 = time.monotonic()
-    _run_all([lambda: a.agree(rec2, report, has_state=True),
+    run_members([lambda: a.agree(rec2, report, has_state=True),
               lambda: b.agree(rec2, report, has_state=True)])  # fmt: skip
-    assert _run_all([lambda: a.form(rec2), lambda: b.form(rec2)]) == [(0, 2), (1, 2)]
+    assert run_members([lambda: a.form(rec2), lambda: b.form(rec2)]) == [(0, 2), (1, 2)]
     assert time.monotonic() - t0 < 10, "the next epoch waited on the abandoned connection"
     a.leak_all()
     b.leak_all()
@@ -158,7 +131,7 @@ def test_a_growing_epoch_published_while_the_group_forms_does_not_stop_it(
         time.sleep(0.3)
         return b.form(rec)
 
-    assert _run_all([lambda: a.form(rec), late_b]) == [(0, 2), (1, 2)]
+    assert run_members([lambda: a.form(rec), late_b]) == [(0, 2), (1, 2)]
     a.check_epoch(time.monotonic() + 1)
     assert a.pending_change
     a.leak_all()
@@ -215,9 +188,9 @@ def test_broadcast_hands_the_source_state_to_every_member(
         opts.append(o)
     assert len({state_checksum(m) for m in models}) == 3
     report = MemberReport(0, False)
-    _run_all([lambda g=g: g.agree(rec, report, has_state=False) for g in groups])
-    _run_all([lambda g=g: g.form(rec) for g in groups])
-    steps = _run_all(
+    run_members([lambda g=g: g.agree(rec, report, has_state=False) for g in groups])
+    run_members([lambda g=g: g.form(rec) for g in groups])
+    steps = run_members(
         [
             lambda i=i: broadcast_state(
                 groups[i].pg,

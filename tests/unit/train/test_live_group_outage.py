@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from members_support import run_members
 
 from flexrun.events import EventLog
 from flexrun.live_protocol import EpochRecord, LiveEnv, LiveKeys
@@ -70,24 +70,6 @@ def _group(server: Server, worker: str, tmp: Path, **kw: Any) -> EpochGroup:
     )
 
 
-def _both(fa: Any, fb: Any) -> list[Any]:
-    out: list[Any] = [None, None]
-
-    def run(i: int, fn: Any) -> None:
-        try:
-            out[i] = fn()
-        except Exception as exc:  # handed back to the test
-            out[i] = exc
-
-    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate((fa, fb))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in ts), "a member never returned"
-    return out
-
-
 def _events(tmp: Path, worker: str) -> list[dict]:
     path = tmp / worker / "events.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
@@ -98,7 +80,9 @@ def _form(a: EpochGroup, b: EpochGroup, rec: EpochRecord) -> None:
         g.agree(rec, report, has_state=True)
         return g.form(rec)
 
-    got = _both(lambda: join(a, MemberReport(0, True)), lambda: join(b, MemberReport(0, True)))
+    got = run_members(
+        [lambda: join(a, MemberReport(0, True)), lambda: join(b, MemberReport(0, True))]
+    )
     assert got == [(0, 2), (1, 2)], got
 
 
@@ -114,8 +98,8 @@ def test_a_formed_group_trains_on_while_the_store_is_away_and_sees_the_next_epoc
     t0 = time.monotonic()
     for _ in range(5):  # a step: epoch checks, then the all-reduce on the formed group
         xa, xb = torch.ones(4), torch.full((4,), 2.0)
-        _both(
-            lambda xa=xa: a.wait(a.pg.allreduce([xa])), lambda xb=xb: b.wait(b.pg.allreduce([xb]))
+        run_members(
+            [lambda xa=xa: a.wait(a.pg.allreduce([xa])), lambda xb=xb: b.wait(b.pg.allreduce([xb]))]
         )
         assert torch.equal(xa, torch.full((4,), 3.0)) and torch.equal(xb, xa)
         a.check_epoch(time.monotonic() + 1)
@@ -150,7 +134,7 @@ def test_an_agreement_interrupted_by_a_store_restart_completes(
         server.start()
         return b.agree(rec, MemberReport(3, True, "x"), has_state=True)
 
-    got = _both(lambda: a.agree(rec, MemberReport(3, True, "x"), has_state=True), late_b)
+    got = run_members([lambda: a.agree(rec, MemberReport(3, True, "x"), has_state=True), late_b])
     expected = [MemberReport(3, True, "x")] * 2
     assert got == [expected, expected], got
     assert "store_unavailable" in [e["event"] for e in _events(tmp_path, "a")]

@@ -1,4 +1,4 @@
-"""live_shards.settle on a real 2-process gloo group: a replica group steps the optimizer
+"""live_settle.settle on a real 2-process gloo group: a replica group steps the optimizer
 only when every member saw the step's vote complete, whatever the order they arrive in."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _member(
 
     import torch.distributed as dist
 
-    from flexrun.train.live_shards import settle
+    from flexrun.train.live_settle import settle
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))  # fmt: skip
