@@ -84,7 +84,10 @@ class GroupJoins:
     pair across epochs), so each member keeps one store record (``_went_on``) and goes on
     from epoch E only once every mate's says its part of E completed. A mate that tried a
     later epoch without going on from E did not; a mate lost takes the group (the agent
-    kills its mates), so the wait needs no epoch watching, only a bound.
+    kills its mates), so the wait needs no epoch watching, only a bound. A restarted store
+    has lost the records: members still waiting post theirs again (as an interrupted
+    agreement does); a mate that had already gone on cannot, so a restart in the
+    milliseconds between two mates' reads costs the group (the bound, then a replacement).
     """
 
     def __init__(self, group: EpochGroup, env: LiveEnv) -> None:
@@ -116,14 +119,19 @@ class GroupJoins:
                 group rather than leave it split.
         """
         self._put(number, "ok")
+        mine = self._root + str(self.env.shard)
         keys = [self._root + str(i) for i in range(self.env.shards) if i != self.env.shard]
         limit = 2 * self.group.timeout_s
         deadline, pause, warned = time.monotonic() + limit, 0.001, False
         while True:
             t0 = time.monotonic()
-            entries = self.group.patiently(lambda: [self.group.store.get(k) for k in keys])
+            own, *entries = self.group.patiently(
+                lambda: [self.group.store.get(k) for k in (mine, *keys)]
+            )
             if time.monotonic() - t0 > 1.0:  # (a store outage: the bound counts from its return)
                 deadline = time.monotonic() + limit
+            if own is None:  # (a restarted store lost every record: post this one again)
+                self._put(number, "ok")
             verdicts: list[bool | None] = []
             for key, entry in zip(keys, entries, strict=True):
                 try:

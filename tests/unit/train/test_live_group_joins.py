@@ -162,3 +162,35 @@ def test_a_strangers_junk_at_a_mates_record_is_waited_past(
     with caplog.at_level(logging.WARNING, logger="flexrun.train.live_settle"):
         assert _both(lambda: a.settle(5), b_later) == [None, None]
     assert sum("unreadable join record" in r.message for r in caplog.records) == 1
+
+
+def test_members_waiting_when_the_store_restarts_post_their_records_again(
+    tmp_path: Path,
+) -> None:
+    """A restarted store has lost every record: both mates, still waiting for each other's
+    verdict, post theirs again and go on together (not the bound, then a replacement)."""
+    from flexrun.store.tcp import TcpStoreServer
+
+    srv = TcpStoreServer("127.0.0.1", 0)
+    port = srv.port
+    try:
+        a, b = _joins(port, 0, tmp_path, timeout_s=20), _joins(port, 1, tmp_path)
+        a.tried(5)
+        b.tried(5)
+
+        def b_after_the_restart() -> float:
+            nonlocal srv
+            time.sleep(0.3)  # (a posted "5 ok" and waits for b)
+            srv.close()
+            srv = TcpStoreServer("127.0.0.1", port)  # (empty: a's record is gone)
+            time.sleep(0.3)
+            b.settle(5)
+            return time.monotonic()
+
+        t0 = time.monotonic()
+        got = _both(lambda: (a.settle(5), time.monotonic())[1], b_after_the_restart)
+        assert all(isinstance(t, float) for t in got), got
+        assert max(got) - t0 < 10, "the members waited out the bound"
+        assert a.went_on == b.went_on == 5
+    finally:
+        srv.close()
