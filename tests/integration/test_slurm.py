@@ -55,6 +55,16 @@ def _ddp(tmp: Path, *extra: str) -> str:
     )
 
 
+def _training_on(progress: Path, world: int, lines: int = 20) -> bool:
+    """At least ``lines`` progress lines at ``world``. An elastic step's first round may
+    start on fewer nodes: flexrun's last call is 1 s (torchrun's 30 s), and on a loaded
+    machine the other node's agent can start later than that (it then joins the next
+    round: seen once in a CI rehearsal, world 1 before world 2)."""
+    return (
+        progress.exists() and sum(ln["world"] == world for ln in read_progress(progress)) >= lines
+    )
+
+
 def _batch(*lines: str) -> str:
     return "#!/bin/sh\n" + "\n".join(lines) + "\n"
 
@@ -221,10 +231,7 @@ def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster)
         f"--output={tmp}/job.out",
     )
     progress = tmp / "progress.jsonl"
-    wait_for(
-        lambda: progress.exists() and len(read_progress(progress)) >= 20, 150, "training on 2 nodes"
-    )
-    assert {ln["world"] for ln in read_progress(progress)} == {2}
+    wait_for(lambda: _training_on(progress, 2), 150, "training on 2 nodes")
     killed_at = time.time()
     slurm.kill_slurmd("n2")
     info = slurm.wait_job(job, 200)
@@ -267,14 +274,10 @@ def test_a_spare_node_of_the_allocation_takes_a_lost_members_place() -> None:
             f"--output={tmp}/job.out",
         )
         progress = tmp / "progress.jsonl"
-        wait_for(
-            lambda: progress.exists() and len(read_progress(progress)) >= 20,
-            150,
-            "training on 2 of the 3 nodes",
-        )
-        assert {ln["world"] for ln in read_progress(progress)} == {2}
+        wait_for(lambda: _training_on(progress, 2), 150, "training on 2 of the 3 nodes")
         # The workers' hosts (a worker is a warm spare's fork: found by its pid, not its name).
-        pids = {ln["pid"] for ln in read_progress(progress)[-6:]}
+        at_two = [ln for ln in read_progress(progress) if ln["world"] == 2]
+        pids = {ln["pid"] for ln in at_two[-6:]}
         members = sorted({h for h in map(slurm.host_of, pids) if h is not None})
         assert len(members) == 2, (members, pids)
         (spare,) = set(slurm.node_ns) - set(members)
