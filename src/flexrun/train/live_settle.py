@@ -95,11 +95,13 @@ class GroupJoins:
         self.env = env
         self.went_on = -1
         """The last epoch this worker went on from."""
-        self._root = f"{group.keys.root}joins/{env.group}/"
+        root = f"{group.keys.root}joins/{env.group}/"
+        self._mine = root + str(env.shard)
+        self._mates = [root + str(i) for i in range(env.shards) if i != env.shard]
 
     def _put(self, number: int, state: str) -> None:
         record = f"{number} {state} {self.went_on}".encode()
-        self.group.patiently(lambda: self.group.store.put(self._root + str(self.env.shard), record))
+        self.group.patiently(lambda: self.group.store.put(self._mine, record))
 
     def tried(self, number: int) -> None:
         """This worker starts its join of epoch ``number``."""
@@ -119,21 +121,19 @@ class GroupJoins:
                 group rather than leave it split.
         """
         self._put(number, "ok")
-        mine = self._root + str(self.env.shard)
-        keys = [self._root + str(i) for i in range(self.env.shards) if i != self.env.shard]
         limit = 2 * self.group.timeout_s
         deadline, pause, warned = time.monotonic() + limit, 0.001, False
         while True:
             t0 = time.monotonic()
             own, *entries = self.group.patiently(
-                lambda: [self.group.store.get(k) for k in (mine, *keys)]
+                lambda: [self.group.store.get(k) for k in (self._mine, *self._mates)]
             )
             if time.monotonic() - t0 > 1.0:  # (a store outage: the bound counts from its return)
                 deadline = time.monotonic() + limit
             if own is None:  # (a restarted store lost every record: post this one again)
                 self._put(number, "ok")
             verdicts: list[bool | None] = []
-            for key, entry in zip(keys, entries, strict=True):
+            for key, entry in zip(self._mates, entries, strict=True):
                 try:
                     verdicts.append(_went_on(entry.value if entry else None, number))
                 except ValueError as exc:  # (UnicodeDecodeError is a ValueError)

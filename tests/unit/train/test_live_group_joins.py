@@ -38,6 +38,14 @@ def _joins(port: int, shard: int, tmp: Path, timeout_s: float = 20.0) -> GroupJo
     return GroupJoins(EpochGroup(env, timeout_s=timeout_s), env)
 
 
+def _pair(port: int, tmp: Path, a_timeout_s: float = 20.0) -> tuple[GroupJoins, GroupJoins]:
+    """Shards 0 and 1 of one group, both trying epoch 5."""
+    a, b = _joins(port, 0, tmp, timeout_s=a_timeout_s), _joins(port, 1, tmp)
+    a.tried(5)
+    b.tried(5)
+    return a, b
+
+
 def _both(a: Callable[[], Any], b: Callable[[], Any]) -> list[Any]:
     return run_members([a, b], timeout_s=30)
 
@@ -70,9 +78,7 @@ def test_a_record_that_is_not_one_is_refused(junk: bytes) -> None:
 def test_a_completed_join_waits_for_the_late_mate_and_both_go_on(
     server: TcpStoreServer, tmp_path: Path
 ) -> None:
-    a, b = _joins(server.port, 0, tmp_path), _joins(server.port, 1, tmp_path)
-    a.tried(5)
-    b.tried(5)
+    a, b = _pair(server.port, tmp_path)
 
     def late_b() -> float:
         time.sleep(0.5)
@@ -92,9 +98,7 @@ def test_a_mate_whose_join_failed_holds_the_other_back_then_both_go_on_from_the_
     """The asymmetry it exists for: member a saw epoch 5's last vote complete, member b,
     still waiting for it, saw an aborting epoch and failed 5. Neither goes on from 5;
     both go on from 6."""
-    a, b = _joins(server.port, 0, tmp_path), _joins(server.port, 1, tmp_path)
-    a.tried(5)
-    b.tried(5)
+    a, b = _pair(server.port, tmp_path)
 
     def b_fails() -> None:
         time.sleep(0.3)
@@ -123,9 +127,7 @@ def test_a_mate_that_skipped_the_epoch_holds_the_other_back(
 def test_a_mate_that_went_on_and_moved_to_the_next_epoch_still_counts_as_gone_on(
     server: TcpStoreServer, tmp_path: Path
 ) -> None:
-    a, b = _joins(server.port, 0, tmp_path), _joins(server.port, 1, tmp_path)
-    a.tried(5)
-    b.tried(5)
+    a, b = _pair(server.port, tmp_path)
     assert _both(lambda: a.settle(5), lambda: (b.settle(5), b.tried(6))) == [None, (None, None)]
     # a later reader of b's record (6 try, went on from 5) reads 5 as completed
     a2 = _joins(server.port, 0, tmp_path)
@@ -137,9 +139,7 @@ def test_a_mate_that_went_on_and_moved_to_the_next_epoch_still_counts_as_gone_on
 def test_a_mate_that_gives_no_verdict_ends_the_worker_after_twice_the_timeout(
     server: TcpStoreServer, tmp_path: Path
 ) -> None:
-    a, b = _joins(server.port, 0, tmp_path, timeout_s=0.5), _joins(server.port, 1, tmp_path)
-    a.tried(5)
-    b.tried(5)  # (and never finishes: a frozen mate, before its agent kills the group)
+    a, b = _pair(server.port, tmp_path, a_timeout_s=0.5)  # (b never finishes: a frozen mate)
     t0 = time.monotonic()
     with pytest.raises(FlexrunError, match="replaces replica group n0.g0.1"):
         a.settle(5)
@@ -174,9 +174,7 @@ def test_members_waiting_when_the_store_restarts_post_their_records_again(
     srv = TcpStoreServer("127.0.0.1", 0)
     port = srv.port
     try:
-        a, b = _joins(port, 0, tmp_path, timeout_s=20), _joins(port, 1, tmp_path)
-        a.tried(5)
-        b.tried(5)
+        a, b = _pair(port, tmp_path)
 
         def b_after_the_restart() -> float:
             nonlocal srv
