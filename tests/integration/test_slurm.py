@@ -56,10 +56,7 @@ def _ddp(tmp: Path, *extra: str) -> str:
 
 
 def _training_on(progress: Path, world: int, lines: int = 20) -> bool:
-    """At least ``lines`` progress lines at ``world``. An elastic step's first round may
-    start on fewer nodes: flexrun's last call is 1 s (torchrun's 30 s), and on a loaded
-    machine the other node's agent can start later than that (it then joins the next
-    round: seen once in a CI rehearsal, world 1 before world 2)."""
+    """At least ``lines`` progress lines at ``world``."""
     return (
         progress.exists() and sum(ln["world"] == world for ln in read_progress(progress)) >= lines
     )
@@ -213,17 +210,14 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_no_false_hang(
 @pytest.mark.timeout(300)
 def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster) -> None:
     tmp = slurm.tmp
+    flexrun = _flexrun(
+        "--nnodes", "1:2", "--nproc-per-node", "1", _ddp(tmp, "--steps", "80", "--step-time", "0.2")
+    )  # fmt: skip
+    # The second task starts 3 s late (past flexrun's 1 s last call), as srun's tasks can
+    # on a loaded machine: the first round still waits for it.
+    late = f"sh -c '[ \"$SLURM_PROCID\" = 1 ] && sleep 3; exec {flexrun}'"
     job = slurm.sbatch(
-        _batch(
-            "srun --no-kill --kill-on-bad-exit=0 "
-            + _flexrun(
-                "--nnodes",
-                "1:2",
-                "--nproc-per-node",
-                "1",
-                _ddp(tmp, "--steps", "80", "--step-time", "0.2"),
-            )
-        ),
+        _batch("srun --no-kill --kill-on-bad-exit=0 " + late),
         "-N2",
         "--ntasks-per-node=1",
         "--no-kill",
@@ -237,6 +231,9 @@ def test_an_elastic_job_losing_a_node_finishes_on_the_other(slurm: SlurmCluster)
     info = slurm.wait_job(job, 200)
     out = _out(slurm)
     lines = read_progress(progress)
+    # The first round waited for the step's late second task (before, the first node
+    # trained alone for a moment; a CI rehearsal once saw that without the sleep).
+    assert {ln["world"] for ln in lines if ln["ts"] < killed_at} == {2}, lines[:5]
     after = [ln for ln in lines if ln["ts"] > killed_at + 1]
     assert after and {ln["world"] for ln in after[-5:]} == {1}, lines[-10:]
     assert max(ln["step"] for ln in lines) == 79, out

@@ -161,6 +161,8 @@ def test_an_endpoint_given_is_elastic_with_the_allocations_size(script: str) -> 
     c = cfg(["--rdzv-endpoint", "127.0.0.1:29999", script], step_env(rank=1))
     assert c.static is None and c.store.endpoints == (("127.0.0.1", 29999),)
     assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
+    # The step's two tasks start together: the first round waits for both.
+    assert c.rendezvous.expected_nodes == 2
 
 
 def test_a_max_below_the_steps_tasks_leaves_spare_nodes(script: str) -> None:
@@ -168,6 +170,7 @@ def test_a_max_below_the_steps_tasks_leaves_spare_nodes(script: str) -> None:
     c = cfg(["--nnodes", "1:2", script], step_env(rank=2, nodes=3))
     assert c.static is None and c.store.endpoints == (("gpu07", PORT_BASE + 2 * 4711),)
     assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
+    assert c.rendezvous.expected_nodes == 2  # (MAX: the third is a spare node)
 
 
 def test_a_static_node_count_below_the_steps_tasks_is_refused(script: str) -> None:
@@ -214,6 +217,7 @@ def test_outside_slurm_nothing_changes(script: str, caplog: pytest.LogCaptureFix
     caplog.set_level(logging.DEBUG)
     c = cfg([script], {})
     assert c.static is None and c.run_id.startswith("local-")
+    assert c.rendezvous.expected_nodes == 0  # (nobody known to be starting with it)
 
 
 # -- one task per GPU --------------------------------------------------------------------------

@@ -228,6 +228,7 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         max_nodes=shape.max_nodes,
         last_call_s=conf.last_call_s,
         join_timeout_s=conf.join_timeout_s,
+        expected_nodes=int(a.get("expected_nodes") or 0),
         heartbeat_interval_s=conf.heartbeat_interval_s,
         heartbeat_timeout_s=conf.heartbeat_timeout_s,
         max_restarts=max_restarts,

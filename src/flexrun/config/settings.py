@@ -49,6 +49,12 @@ class RendezvousSettings:
     closing the round. Short by default: a lone joiner should not wait 30 s."""
     join_timeout_s: float = 600.0
     """How long a node waits for MIN nodes before giving up (exit 2)."""
+    expected_nodes: int = 0
+    """Nodes known to be starting together (a Slurm step's tasks, up to MAX): the job's
+    first round waits for this many, up to ``expected_wait_s`` after the last one
+    arrived, instead of closing after the last call with whoever is there; 0: unknown."""
+    expected_wait_s: float = 30.0
+    """How long the first round waits for an expected node that has not arrived yet."""
     heartbeat_interval_s: float = 1.0
     """How often an agent refreshes its keep-alive."""
     heartbeat_timeout_s: float = 5.0
@@ -82,6 +88,11 @@ class RendezvousSettings:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
+        if self.expected_nodes < 0 or self.expected_wait_s < 0:
+            raise ConfigError(
+                f"expected nodes {self.expected_nodes} within {self.expected_wait_s:g}s: "
+                "neither may be negative"
+            )
         if self.crash_loop_restarts < 0:
             raise ConfigError(
                 f"--crash-loop-restarts {self.crash_loop_restarts}: must be 0 (off) or more"

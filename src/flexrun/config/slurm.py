@@ -14,7 +14,9 @@ The forms (docs/user/slurm.md):
 - elastic, when ``--nnodes MIN:MAX``, ``--rdzv-endpoint`` or an elastic ``--rdzv-backend``
   is given: ``--rdzv-backend c10d --rdzv-endpoint <first host>:<port from the job id>``;
   a MAX below the step's task count leaves the other tasks as spare nodes: their agents
-  wait on standby and join the round that replaces a lost member;
+  wait on standby and join the round that replaces a lost member. The first round waits
+  for the step's tasks (up to MAX; ``RendezvousSettings.expected_nodes``), each of them
+  up to 30 s late, rather than closing after the 1 s last call with the first arrivals;
 
 and ``--rdzv-id`` is the job id (``<array job id>_<task id>`` for an array task) in both.
 One flexrun per node (``--ntasks-per-node=1``) is the usual step. Several tasks per node (one
@@ -314,6 +316,9 @@ def apply_slurm_defaults(a: MutableMapping[str, Any], environ: Mapping[str, str]
             fill("rdzv_backend", "c10d")
         fill("rdzv_endpoint", f"{head}:{step.port}")
         fill("nnodes", f"1:{step.tasks}")
+        # The step's tasks start together: the first round waits for them (up to MAX)
+        # instead of closing 1 s after the first with whoever srun had started by then.
+        a["expected_nodes"] = min(parse_nnodes(str(a["nnodes"]))[1], step.tasks)
     else:
         fill("nnodes", str(step.tasks))
         fill("node_rank", str(step.rank))

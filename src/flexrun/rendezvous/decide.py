@@ -329,11 +329,26 @@ def decide(view: View, settings: RendezvousSettings) -> Action:
     # No round yet, or too few nodes (PENDING).
     if view.running is not None:
         return Stop("too few nodes: waiting for more")
+    if r is None and _expected_missing(len(alive), view, settings):
+        return Wait(
+            f"waiting for the nodes starting together: {len(alive)} of "
+            f"{min(settings.expected_nodes, settings.max_nodes)} present"
+        )
     if len(alive) >= settings.min_nodes and (len(alive) >= settings.max_nodes or window_over):
         reason = "start" if r is None else "nodes_returned"
         rec = next_round(r, alive, settings, reason)
         return Propose(rec, r.number if r is not None else 0, joined=tuple(rec.member_ids))
     return Wait(f"waiting for nodes: {len(alive)} present, MIN is {settings.min_nodes}")
+
+
+def _expected_missing(present: int, view: View, settings: RendezvousSettings) -> bool:
+    """Whether the job's first round still waits for nodes known to be starting with this
+    one (``expected_nodes``: a Slurm step's tasks, whose ``srun`` starts may be seconds
+    apart on a loaded machine), rather than closing after the last call with fewer and
+    re-forming the moment the others arrive. The wait ends ``expected_wait_s`` after the
+    last arrival, so a task that never starts costs that, not the job."""
+    want = min(settings.expected_nodes, settings.max_nodes)
+    return present < want and view.now - view.candidates_since < settings.expected_wait_s
 
 
 def within_join_timeout(

@@ -68,6 +68,43 @@ def test_a_lone_joiner_waits_only_the_last_call_window_then_starts() -> None:
     assert isinstance(act, Propose) and act.record.member_ids == ["a"] and act.record.number == 1
 
 
+def test_a_first_round_waits_for_the_expected_nodes_past_the_last_call() -> None:
+    # A Slurm step's two tasks (srun may start the second seconds after the first).
+    s = RendezvousSettings(min_nodes=1, max_nodes=3, last_call_s=1.0, expected_nodes=2)
+    clock = FakeClock()
+    t0 = clock.monotonic()
+    clock.advance(29.9)
+    act = decide(view("a", None, alive("a"), clock, t0), s)
+    assert isinstance(act, Wait) and "1 of 2 present" in act.reason
+    # The second arrives: the window of the last call (not of the expected wait) closes it.
+    t1 = clock.monotonic()
+    assert isinstance(decide(view("a", None, alive("a", "b"), clock, t1), s), Wait)
+    clock.advance(1.0)
+    act = decide(view("a", None, alive("a", "b"), clock, t1), s)
+    assert isinstance(act, Propose) and act.record.member_ids == ["a", "b"]
+
+
+def test_an_expected_node_that_never_comes_costs_the_expected_wait_once() -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=2, expected_nodes=2, expected_wait_s=30.0)
+    clock = FakeClock()
+    t0 = clock.monotonic()
+    clock.advance(30.0)
+    act = decide(view("a", None, alive("a"), clock, t0), s)
+    assert isinstance(act, Propose) and act.record.member_ids == ["a"]
+    # Later rounds (a node lost, one that joins) keep the last call alone.
+    r = rnd(2, "a", state=PENDING)
+    t1 = clock.monotonic()
+    clock.advance(1.0)
+    assert isinstance(decide(view("a", r, alive("a"), clock, t1), s), Propose)
+
+
+def test_expected_nodes_above_max_wait_only_for_max() -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=2, expected_nodes=3)
+    clock = FakeClock()
+    act = decide(view("a", None, alive("a", "b"), clock, clock.monotonic()), s)
+    assert isinstance(act, Propose) and act.record.member_ids == ["a", "b"]
+
+
 def test_max_nodes_present_starts_at_once() -> None:
     clock = FakeClock()
     act = decide(view("a", None, alive("a", "b", "c"), clock, clock.monotonic()), S)
