@@ -161,8 +161,11 @@ def test_an_endpoint_given_is_elastic_with_the_allocations_size(script: str) -> 
     c = cfg(["--rdzv-endpoint", "127.0.0.1:29999", script], step_env(rank=1))
     assert c.static is None and c.store.endpoints == (("127.0.0.1", 29999),)
     assert (c.rendezvous.min_nodes, c.rendezvous.max_nodes) == (1, 2)
-    # The step's two tasks start together: the first round waits for both.
-    assert c.rendezvous.expected_nodes == 2
+    # The step's two tasks start together: the first round waits for both, at most 30 s
+    # after the last arrival (a quarter of a shorter join timeout: followers give up then).
+    assert (c.rendezvous.expected_nodes, c.rendezvous.expected_wait_s) == (2, 30.0)
+    short = cfg(["--rdzv-conf", "join_timeout=20", "--nnodes", "1:2", script], step_env(rank=1))
+    assert short.rendezvous.expected_wait_s == 5.0
 
 
 def test_a_max_below_the_steps_tasks_leaves_spare_nodes(script: str) -> None:

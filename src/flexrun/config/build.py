@@ -46,6 +46,7 @@ from flexrun.config.run_parts import (
 )
 from flexrun.config.script_imports import BEYOND, script_imports
 from flexrun.config.settings import (
+    EXPECTED_WAIT_S,
     LIVE_MAX_RESTARTS,
     LIVE_RESTART_WINDOW_S,
     RendezvousSettings,
@@ -229,6 +230,10 @@ def build_run_config(ns: object, environ: Mapping[str, str]) -> RunConfig:
         last_call_s=conf.last_call_s,
         join_timeout_s=conf.join_timeout_s,
         expected_nodes=int(a.get("expected_nodes") or 0),
+        # (well inside the join timeout: every node, followers too, must see the first
+        # round before theirs runs out, or a short --rdzv-conf join_timeout would end a
+        # job that had its MIN nodes while it waited for a task that never started)
+        expected_wait_s=min(EXPECTED_WAIT_S, conf.join_timeout_s / 4),
         heartbeat_interval_s=conf.heartbeat_interval_s,
         heartbeat_timeout_s=conf.heartbeat_timeout_s,
         max_restarts=max_restarts,

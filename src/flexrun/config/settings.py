@@ -54,7 +54,8 @@ class RendezvousSettings:
     first round waits for this many, up to ``expected_wait_s`` after the last one
     arrived, instead of closing after the last call with whoever is there; 0: unknown."""
     expected_wait_s: float = 30.0
-    """How long the first round waits for an expected node that has not arrived yet."""
+    """How long the first round waits for an expected node that has not arrived yet, after
+    the last arrival (``flexrun run``: 30 s, or a quarter of the join timeout if shorter)."""
     heartbeat_interval_s: float = 1.0
     """How often an agent refreshes its keep-alive."""
     heartbeat_timeout_s: float = 5.0
@@ -99,6 +100,8 @@ class RendezvousSettings:
             )
 
 
+EXPECTED_WAIT_S = 30.0
+"""``RendezvousSettings.expected_wait_s`` of ``flexrun run`` (torchrun's last call)."""
 LIVE_MAX_RESTARTS = 10
 """Live mode's --max-restarts when none is given: failures per LIVE_RESTART_WINDOW_S."""
 LIVE_RESTART_WINDOW_S = 3600.0
