@@ -337,7 +337,10 @@ def restart_trial(
     d = work / f"restart-{launcher}-{backend}-{nproc}"
     d.mkdir(parents=True)
     progress = d / "progress.jsonl"
-    warm_steps, steps = 5, 60
+    # (enough steps that the kill lands mid-run: flexrun's trial first waits for a spare
+    # per worker, which on a loaded machine can outlast 60 steps of 0.05 s: a rehearsal's
+    # kill once found the victim gone, ProcessLookupError)
+    warm_steps, steps = 5, 300
     wcmd = _worker_cmd(a, "restart", backend, progress, steps=steps)
     common = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "2"]
     if launcher == "flexrun":  # (the script also holds a LiveLoop worker: say which mode)
@@ -375,6 +378,8 @@ def restart_trial(
                 )
             )
             rows = _rows(progress)
+        if max(r["step"] for r in rows) > steps - 40:
+            raise PartFailed(f"{launcher}: the run was nearly over before the kill (raise steps)")
         victim_rank = nproc - 1
         victim = max((r for r in rows if r["rank"] == victim_rank), key=lambda r: r["ts"])["pid"]
         old = {r["pid"] for r in rows}
