@@ -172,6 +172,10 @@ class MemberReport:
     handle: str | None = None
     """Its process group's reconfigure handle (in-place path, :mod:`flexrun.train.live_reconf`;
     None: this member forms a fresh group)."""
+    portions: int = 0
+    """Portions of a sharded step it knows of (:mod:`flexrun.train.live_portions`; 0: none)."""
+    held: tuple[int, ...] = ()
+    """Portions of step ``step`` whose gradients it holds (sharded live jobs)."""
 
     def encode(self) -> str:
         data: dict[str, object] = {"step": self.step, "has_state": self.has_state}
@@ -183,6 +187,10 @@ class MemberReport:
             data["lost_s"] = round(self.lost_s, 4)
         if self.handle is not None:
             data["handle"] = self.handle
+        if self.portions:
+            data["portions"] = self.portions
+        if self.held:
+            data["held"] = list(self.held)
         return json.dumps(data)
 
     @classmethod
@@ -199,9 +207,24 @@ class MemberReport:
                 int(str(d.get("shard", 0))),
                 _seconds(d.get("lost_s", 0.0)),
                 str(handle) if handle is not None else None,
+                *_portions(d.get("portions", 0), d.get("held", [])),
             )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"malformed member report: {exc}") from exc
+
+
+_MAX_PORTIONS = 1 << 20
+
+
+def _portions(count: object, held: object) -> tuple[int, tuple[int, ...]]:
+    """A reported portion count and hold: whole numbers, the hold's below the count."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= _MAX_PORTIONS:
+        raise ValueError(f"portions {count!r}: not a whole number 0 to {_MAX_PORTIONS}")
+    if not isinstance(held, list) or len(held) > count:
+        raise ValueError(f"held {held!r}: not a list of at most {count} portions")
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < count for k in held):
+        raise ValueError(f"held {held!r}: a portion outside 0..{count - 1}")
+    return count, tuple(held)
 
 
 _MAX_LOST_S = 1e8  # (three years)

@@ -268,7 +268,10 @@ class LiveRunner(LoopProgress):
         started and joins at a step boundary once it is up, while the others carry on.
         ``boot_wait_s``: wait that long for a spare that is still importing torch.
         ``joining``: a new node's worker; even a spare enters an epoch only once its script
-        has reached the loop (the running members must not wait for the script's set-up)."""
+        has reached the loop (the running members must not wait for the script's set-up).
+        A sharded job's spare always does: the healthy groups go on at once with the lost
+        group's portions of the batch (``flexrun.train.live_portions``, bitwise the same at
+        two groups) instead of waiting for its replacement's model to be built."""
         wid = self._next_id()
         hb = self._hb_root / wid
         hb.unlink(missing_ok=True)
@@ -280,7 +283,7 @@ class LiveRunner(LoopProgress):
             included = include_now
         else:
             w = _warm(spare, self.config, env, wdir, slot, self.outputs.console(slot, slot))
-            included = include_now or not joining
+            included = include_now or not (joining or self.groups.sharded)
             log.info("slot %d: a warm spare takes over as %s", slot, wid)
         self._exits.add(w.proc.pid)
         lw = LiveWorker(wid, w, hb, included=included)

@@ -76,21 +76,15 @@ from flexrun.train.live_durable import LiveDurability
 from flexrun.train.live_goodput import LostTime
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import plan_recovery
+from flexrun.train.live_portions import split_share
 from flexrun.train.live_settle import settle
-from flexrun.train.live_shards import Shards, micro_chunks, shard_mesh
+from flexrun.train.live_shards import Shards, shard_mesh
 from flexrun.train.live_sync import broadcast_state, state_checksum
 from flexrun.train.stopsignal import hold as hold_stop_signal
 
 log = logging.getLogger("flexrun.train.live")
 
 PREEMPTED_EXIT = 143
-
-
-def split_share(global_batch: int, world: int, rank: int) -> tuple[int, int]:
-    """[start, end) of ``rank``'s contiguous share of a global batch (sizes differ by <= 1)."""
-    base, extra = divmod(global_batch, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 class Step:
@@ -101,17 +95,26 @@ class Step:
         self.number = number
         self.rank = loop.rank
         self.world_size = loop.world_size
-        start, end = split_share(loop.global_batch, loop.world_size, loop.rank)
-        self.indices: list[int] = [
-            loop.sample_index(number * loop.global_batch + p) for p in range(start, end)
-        ]
+        if loop.shards is not None:  # (its group's portions: flexrun.train.live_portions)
+            parts = [(v, [loop.sample_index(p) for p in ps], held)
+                     for v, ps, held in loop.shards.portions.shares(number, loop.global_batch)]  # fmt: skip
+            self._shares = [(v, ix) for v, ix, held in parts if not held]
+            self.indices: list[int] = [i for _, ix, _ in parts for i in ix]  # (held ones too)
+        else:
+            start, end = split_share(loop.global_batch, loop.world_size, loop.rank)
+            self.indices = [
+                loop.sample_index(number * loop.global_batch + p) for p in range(start, end)
+            ]
 
     def batches(self, micro_batch: int | None = None) -> Iterator[Any]:
         """This rank's share of the step's global batch, collated, in micro-batches (of a
-        sharded model: as many on every rank as on the one with the largest share)."""
-        if self._loop.shards is not None:
-            largest = -(-self._loop.global_batch // self.world_size)
-            chunks = micro_chunks(self.indices, micro_batch, largest)
+        sharded model: each portion's apart, as many on every rank of a group)."""
+        loop = self._loop
+        if loop.shards is not None:
+            chunks: Iterator[list[int]] | list[list[int]] = loop.shards.portions.chunks(
+                self._shares, micro_batch, loop.global_batch, loop._params,
+                lambda v: torch.manual_seed(loop.seed * 7919 + self.number * 104729 + v),
+            )  # fmt: skip
         else:
             size = micro_batch or max(1, len(self.indices))
             chunks = [self.indices[i : i + size] for i in range(0, len(self.indices), size)]
@@ -295,8 +298,11 @@ class LiveLoop:
         try:
             while self.committed < self.total_steps:
                 torch.manual_seed(self.seed * 7919 + self.committed * 104729 + self.rank)
-                for p in self._params:
-                    p.grad = None
+                if self.shards is not None:
+                    self.shards.portions.begin(self._params)
+                else:
+                    for p in self._params:
+                        p.grad = None
                 step = Step(self, self.committed)
                 yield step
                 if not self._commit(step):
@@ -334,8 +340,12 @@ class LiveLoop:
                 flags = _sum_replicas(self.group, self._params, flags)
         except LiveAborted as exc:
             _settled(self.shards, voted=False)
+            if self.shards is not None:
+                self.shards.portions.hold()  # (its gradients are untouched: still this group's)
             self._rejoin(reason=str(exc))
             return False
+        if self.shards is not None:
+            self.shards.portions.drop()  # (the gradients are now the sum over groups)
         if not _settled(self.shards, voted=True):
             self._rejoin(reason="a group-mate did not see the step's vote complete")
             return False
@@ -400,6 +410,8 @@ class LiveLoop:
         else:
             plan = plan_recovery(reports, formed=self.group.formed_before())
         self.rank, self.world_size = self.group.form(rec, [r.handle for r in reports])
+        if sh is not None:
+            sh.portions.adopt(reports, layout.groups, self.rank, keep=not plan.load_durable)
         self.durable.saver = self.rank in layout.groups[0] if sh is not None else self.rank == 0
         if sh is not None:
             # (shard i of every group: this shard's gradient sum and state transfer)

@@ -39,6 +39,7 @@ from flexrun.errors import CheckpointError, ConfigError, LiveAborted
 from flexrun.live_protocol import LiveEnv, LiveKeys, MemberReport
 from flexrun.train.live_group import EpochGroup
 from flexrun.train.live_plan import RecoveryPlan, plan_recovery
+from flexrun.train.live_portions import Portions, micro_chunks
 from flexrun.train.live_settle import GroupJoins
 from flexrun.train.live_sync import state_checksum
 
@@ -187,6 +188,8 @@ class Shards:
         """The replicate group of this shard in the current epoch."""
         self.position = 0
         self.joins = GroupJoins(group, env)
+        self.portions = Portions(env.shards, env.shard)
+        """This worker's part of each step's batch (``flexrun.train.live_portions``)."""
 
     def report(self, committed: int, has_state: bool) -> MemberReport:
         return MemberReport(
@@ -195,6 +198,8 @@ class Shards:
             state_checksum(self.model) if has_state else None,
             self.env.group,
             self.env.shard,
+            portions=self.portions.count,
+            held=self.portions.held,
         )
 
     def plan(self, reports: Sequence[MemberReport], *, formed: bool) -> tuple[Layout, RecoveryPlan]:
@@ -209,8 +214,10 @@ class Shards:
             LiveAborted: either collective failed or the epoch ended under it.
         """
         grads = [
-            (local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
-            for p in self.params
+            self.portions.summed(
+                i, (local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
+            )
+            for i, p in enumerate(self.params)
         ]
         buf = torch.cat(grads) if grads else torch.zeros(0)
         if len(grads) and self.pg.size() > 1:
@@ -355,29 +362,6 @@ def _like(param: Any, t: torch.Tensor) -> Any:
         t, param.device_mesh, param.placements, run_check=False, shape=param.shape,
         stride=param.stride(),
     )  # fmt: skip
-
-
-def micro_chunks(indices: list[int], size: int | None, largest: int) -> list[list[int]]:
-    """``indices`` in as many micro-batches as the rank with the ``largest`` share makes:
-    a group's shards run FSDP collectives per forward and backward, so every rank must
-    make as many (shares differ by at most one sample).
-
-    Raises:
-        ConfigError: this rank's share is too small for that many micro-batches.
-    """
-    count = max(1, math.ceil(largest / (size or max(1, largest))))
-    if len(indices) < count:
-        raise ConfigError(
-            f"global batch too small: a share of {len(indices)} sample(s) cannot make the "
-            f"{count} micro-batch(es) the other shards make"
-        )
-    base, extra = divmod(len(indices), count)
-    out, start = [], 0
-    for k in range(count):
-        end = start + base + (1 if k < extra else 0)
-        out.append(indices[start:end])
-        start = end
-    return out
 
 
 __all__ = [
