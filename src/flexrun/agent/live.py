@@ -268,10 +268,8 @@ class LiveRunner(LoopProgress):
         started and joins at a step boundary once it is up, while the others carry on.
         ``boot_wait_s``: wait that long for a spare that is still importing torch.
         ``joining``: a new node's worker; even a spare enters an epoch only once its script
-        has reached the loop (the running members must not wait for the script's set-up).
-        A sharded job's spare always does: the healthy groups go on at once with the lost
-        group's portions of the batch (``flexrun.train.live_portions``, bitwise the same at
-        two groups) instead of waiting for its replacement's model to be built."""
+        has reached the loop; a sharded job's spare always does (the healthy groups go on
+        with the lost group's portion of the batch: ``flexrun.train.live_portions``)."""
         wid = self._next_id()
         hb = self._hb_root / wid
         hb.unlink(missing_ok=True)

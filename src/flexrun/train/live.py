@@ -130,8 +130,25 @@ class Step:
 
 def _settled(shards: Shards | None, *, voted: bool) -> bool:
     """Whether the step's vote completed for this worker (``voted``) and, in a sharded
-    model, for every member of its replica group (``live_settle.settle``)."""
-    return voted if shards is None else settle(voted=voted)
+    model, for every member of its replica group (``live_settle.settle``). A sharded
+    worker whose vote did not complete holds its portions' gradients (untouched by the
+    abandoned sum); one whose did holds none (they are now the sum over groups)."""
+    if shards is None:
+        return voted
+    if voted:
+        shards.portions.drop()
+    else:
+        shards.portions.hold()
+    return settle(voted=voted)
+
+
+def _begin(loop: LiveLoop) -> None:
+    """A step's start: no gradient, unless a sharded group holds its portions of it."""
+    if loop.shards is not None:
+        loop.shards.portions.begin(loop._params)
+    else:
+        for p in loop._params:
+            p.grad = None
 
 
 def _sum_replicas(
@@ -298,11 +315,7 @@ class LiveLoop:
         try:
             while self.committed < self.total_steps:
                 torch.manual_seed(self.seed * 7919 + self.committed * 104729 + self.rank)
-                if self.shards is not None:
-                    self.shards.portions.begin(self._params)
-                else:
-                    for p in self._params:
-                        p.grad = None
+                _begin(self)
                 step = Step(self, self.committed)
                 yield step
                 if not self._commit(step):
@@ -340,12 +353,8 @@ class LiveLoop:
                 flags = _sum_replicas(self.group, self._params, flags)
         except LiveAborted as exc:
             _settled(self.shards, voted=False)
-            if self.shards is not None:
-                self.shards.portions.hold()  # (its gradients are untouched: still this group's)
             self._rejoin(reason=str(exc))
             return False
-        if self.shards is not None:
-            self.shards.portions.drop()  # (the gradients are now the sum over groups)
         if not _settled(self.shards, voted=True):
             self._rejoin(reason="a group-mate did not see the step's vote complete")
             return False

@@ -282,32 +282,6 @@ def test_live_runner_replaces_a_dead_worker_from_a_spare_and_aborts_the_epoch(
 
 
 @pytest.mark.timeout(20)
-def test_a_sharded_jobs_healthy_group_goes_on_alone_until_the_new_group_is_in_the_loop(
-    tmp_path: Path,
-) -> None:
-    pool = FakePool(tmp_path)
-    runner, store, _ = live_runner(tmp_path, pool, nproc_per_node=4, live_shards=2, mode="live")
-    runner.run_round(rnd(1, ("n1", 4)), None)
-    for lw in runner.slots.values():
-        touch_heartbeat(lw.heartbeat)
-        mark_state(lw.heartbeat)
-    store.put(LiveKeys("job").formed, b"1")
-    runner.slots[3].worker.proc.end(-9)  # type: ignore[attr-defined]
-    assert isinstance(runner.poll(), p.LiveFailed)
-    rec = epoch(store)  # (the mate in slot 2 killed with it; two warm spares took the slots)
-    assert rec.number == 2 and rec.abort and rec.members == ("n1.w1", "n1.w2")
-    new = [runner.slots[2], runner.slots[3]]
-    assert [lw.worker_id for lw in new] == ["n1.w6", "n1.w5"] and len(pool.taken) == 6
-    touch_heartbeat(new[0].heartbeat)  # (one of the new group reached the loop: not yet)
-    assert runner.poll() is None and epoch(store).number == 2
-    touch_heartbeat(new[1].heartbeat)
-    assert runner.poll() is None
-    rec = epoch(store)
-    assert rec.number == 3 and not rec.abort and rec.members[2:] == ("n1.w6", "n1.w5")
-    runner.close()
-
-
-@pytest.mark.timeout(20)
 def test_live_runner_falls_back_when_every_holder_of_the_state_died(tmp_path: Path) -> None:
     pool = FakePool(tmp_path)
     runner, store, run_dir = live_runner(tmp_path, pool)
