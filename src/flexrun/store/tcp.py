@@ -115,9 +115,11 @@ class TcpStore:
         self.host, self.port = host, port
         self._clock = clock
         self._op_timeout = timedelta(seconds=op_timeout_s)
+        deadline = clock.monotonic() + connect_timeout_s
         probe(host, port, connect_timeout_s, clock)
         self._local = threading.local()
-        self._local.client = self._connect()
+        # (the caller's bound, not CONNECT_S: a busy server's full accept queue drops SYNs)
+        self._local.client = self._connect(max(CONNECT_S, deadline - clock.monotonic()))
         self._seen_lock = threading.Lock()
         self._seen: dict[str, tuple[int, float, float]] = {}  # key -> (rev, first seen, ttl)
         self._raw_cache: OrderedDict[str, bytes] = OrderedDict()  # key -> last raw value seen
@@ -128,11 +130,11 @@ class TcpStore:
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------
-    def _connect(self) -> Any:
+    def _connect(self, timeout_s: float = CONNECT_S) -> Any:
         """A new client socket (TCPStore clients are not safe to share across threads)."""
         try:
             client = dist().TCPStore(
-                self.host, self.port, None, False, timedelta(seconds=CONNECT_S)
+                self.host, self.port, None, False, timedelta(seconds=timeout_s)
             )
             client.set_timeout(self._op_timeout)
             return client
