@@ -118,7 +118,6 @@ class TcpStore:
         deadline = clock.monotonic() + connect_timeout_s
         probe(host, port, connect_timeout_s, clock)
         self._local = threading.local()
-        # (the caller's bound, not CONNECT_S: a busy server's full accept queue drops SYNs)
         self._local.client = self._connect(max(CONNECT_S, deadline - clock.monotonic()))
         self._seen_lock = threading.Lock()
         self._seen: dict[str, tuple[int, float, float]] = {}  # key -> (rev, first seen, ttl)
