@@ -74,7 +74,7 @@ def _tcp() -> Iterator[Backend]:
 
     def clients() -> tuple[Store, Store]:
         # (The product's connect timeout, 30 s: at 5 s a rehearsal of the suite on a loaded
-        # machine saw torch retry its connect to this server for the whole 5 s, twice.)
+        # machine saw torch retry its connect to this server for the whole 5 s.)
         return tuple(  # type: ignore[return-value]
             TcpStore("127.0.0.1", server.port, op_timeout_s=5) for _ in range(2)
         )
