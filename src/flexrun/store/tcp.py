@@ -75,10 +75,12 @@ _WATCHED_KEY = "__flexrun/watched"
 CHANNEL_WINDOW = 256  # ring keys kept per directory (a watcher waits for the next one)
 RAW_CACHE = 4096  # raw values kept for a compare-and-set without a read
 CONNECT_S = 2.0
-"""How long one ``TCPStore`` connect may try (torch tries twice, so about 2x this plus its
-back-off). A probe found the server a moment before; one that died meanwhile must not hold
-the calling thread for the operation timeout: torch retries a refused connect for the whole
-timeout it is given (30 s held a static job's survivor that long after its store died)."""
+"""How long a reconnect's ``TCPStore`` connect may try (torch tries twice, so about 2x this
+plus its back-off; a client's first connection has what is left of its connect timeout, at
+least this: a loaded server's full accept queue drops SYNs for longer). A probe found the
+server a moment before; one that died meanwhile must not hold the calling thread for the
+operation timeout: torch retries a refused connect for the whole timeout it is given (30 s
+held a static job's survivor that long after its store died)."""
 _TOMBSTONE = b"x"
 _dir_of = dir_of
 
