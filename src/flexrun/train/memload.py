@@ -1,6 +1,6 @@
 """Reading the checkpoint memory tier's copies: verify every byte before anything is used.
 
-Owns checking a copy against its trailer (magic, length, sha256 of the payload; a copy
+Owns checking a copy against its trailer (magic, length, checksum of the payload; a copy
 rebuilt from memory with no integrity check once produced NaNs and 44 restarts elsewhere,
 Megatron-LM#5281), unpickling it with ``weights_only=True`` only, and finding a node's
 newest copy that verifies, skipping (and reporting) each one that does not. It does not
@@ -10,11 +10,12 @@ decide between memory and durable storage, nor talk to other ranks
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from flexrun.errors import CheckpointError
 from flexrun.train.memsave import MAGIC, TRAILER, copy_name, copy_steps
@@ -27,7 +28,7 @@ def verify_blob(blob: bytes, *, what: str) -> memoryview:
     """The payload of a copy's bytes once its trailer checks out.
 
     Raises:
-        CheckpointError: truncated, not a memory copy, or its sha256 differs.
+        CheckpointError: truncated, not a memory copy, or its checksum differs.
     """
     if len(blob) < TRAILER.size:
         raise CheckpointError(f"{what}: truncated ({len(blob)} bytes)")
@@ -39,8 +40,8 @@ def verify_blob(blob: bytes, *, what: str) -> memoryview:
             f"{what}: {len(blob) - TRAILER.size} payload bytes, {length} expected"
         )
     payload = memoryview(blob)[:length]
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"{what}: sha256 mismatch (corrupted in memory)")
+    if xxhash.xxh3_128(payload).digest() != digest:
+        raise CheckpointError(f"{what}: checksum mismatch (corrupted in memory)")
     return payload
 
 

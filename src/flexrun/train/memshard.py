@@ -11,7 +11,7 @@ every ``durable_every`` steps, and every save once the tier is off on any rank: 
 agree on that over the checkpointer's gloo group before each memory-only save); and the
 collective choice at load time: the newest step of which EVERY rank holds a copy of its own
 shards that verifies (:func:`common_step`), unless durable storage holds a newer one. Each
-rank verifies its own copies (sha256 trailer, ``weights_only``; a corrupt one is reported
+rank verifies its own copies (checksum trailer, ``weights_only``; a corrupt one is reported
 with ``checkpoint_memory_skipped`` and the one before it tried) and the copy must have been
 written at the same world size and rank with the same local shard shapes as the state it
 is loaded into (same mesh and placements); otherwise the load goes to durable storage,

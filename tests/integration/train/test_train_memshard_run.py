@@ -81,7 +81,7 @@ def test_a_corrupted_copy_of_one_rank_is_skipped_and_the_step_before_used_bitwis
     events = read_events(procs.tmp / "run-job")
     skipped = [e for e in events if e["event"] == "checkpoint_memory_skipped"]
     assert [(e["step"], e["rank"]) for e in skipped] == [(13, 1)], skipped
-    assert "sha256" in skipped[0]["reason"], skipped
+    assert "checksum mismatch" in skipped[0]["reason"], skipped
     # Rank 0's copy of 13 verifies, but rank 1 lacks one: both resume from 12.
     assert _resumes(procs, 0) == [0, 12] and _resumes(procs, 1) == [0, 12]
     loaded = memtier_run._loaded(procs, "job")

@@ -150,7 +150,7 @@ def test_a_corrupted_memory_copy_is_skipped_and_the_one_before_used_bitwise(
     events = read_events(procs.tmp / "run-job")
     skipped = [e for e in events if e["event"] == "checkpoint_memory_skipped"]
     assert skipped and {e["step"] for e in skipped} == {13}, skipped
-    assert all("sha256" in e["reason"] for e in skipped), skipped
+    assert all("checksum mismatch" in e["reason"] for e in skipped), skipped
     resumes = [r["resume"] for r in _lines(procs, "job", 0) if "resume" in r]
     assert resumes == [0, 12], resumes
     assert _loaded(procs, "job")[-1]["restored_from"] == "memory"

@@ -11,7 +11,7 @@ import torch
 
 from flexrun.errors import CheckpointError
 from flexrun.events import read_events
-from flexrun.train import Checkpointer
+from flexrun.train import Checkpointer, memsave
 from flexrun.train.context import single_process_context
 from flexrun.train.memload import decode, newest_valid, verify_blob
 from flexrun.train.memsave import TRAILER, copy_steps, write_copy
@@ -89,7 +89,7 @@ def test_a_flipped_byte_skips_that_copy_and_the_one_before_loads(tmp_path: Path)
     for k, v in m.state_dict().items():
         assert torch.equal(v, states[7][k])
     skipped = _events(tmp_path, "checkpoint_memory_skipped")
-    assert [e["step"] for e in skipped] == [8] and "sha256" in skipped[0]["reason"]
+    assert [e["step"] for e in skipped] == [8] and "checksum mismatch" in skipped[0]["reason"]
 
 
 def test_a_newer_durable_checkpoint_wins_over_an_older_memory_copy(tmp_path: Path) -> None:
@@ -157,6 +157,24 @@ def test_copies_verify_their_trailer(tmp_path: Path) -> None:
     skipped: list[int] = []
     found = newest_valid(tmp_path, lambda s, _why: skipped.append(s))
     assert found is not None and found[0] == 4 and skipped == [5]
+
+
+def test_a_copy_written_in_pieces_checks_every_byte_of_every_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (the writer hashes and writes a tensor's bytes a piece at a time: no piece may be missed)
+    monkeypatch.setattr(memsave, "_PIECE", 64)
+    state = {"x": torch.arange(1000, dtype=torch.float64), "y": torch.ones(3, 5)}
+    size = write_copy(tmp_path, 1, state)
+    blob = (tmp_path / "step_1.mem").read_bytes()
+    assert size == len(blob) > 8000 + TRAILER.size
+    got = decode(blob, what="c")
+    assert torch.equal(got["x"], state["x"]) and torch.equal(got["y"], state["y"])
+    for at in (0, 64, 4000, 4095, len(blob) - TRAILER.size - 1):  # (first, later, last piece)
+        bad = bytearray(blob)
+        bad[at] ^= 0x01
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            verify_blob(bytes(bad), what="c")
 
 
 def test_durable_every_must_be_positive(tmp_path: Path) -> None:
