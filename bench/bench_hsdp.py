@@ -27,8 +27,10 @@ Each run is hit at rank 3 (shard 1 of the second group) once every rank has logg
   attempt's first worker to log that it is loading the DCP checkpoint.
 
 Recovery = the first kill (or stop) -> the first step committed after it that is past the
-last step committed before it (the optimizer stepped: torchrun's progress lines, written after ``opt.step()``; flexrun's
-``--commits`` lines) by a new process (torchrun) or in a later membership epoch (flexrun).
+last step committed before it (the optimizer stepped: torchrun's progress lines, written after
+``opt.step()``; flexrun's ``--commits`` lines, written by the example's ``on_commit``, which
+``LiveLoop`` calls right after ``optimizer.step()``) by a new process (torchrun) or in a later
+membership epoch (flexrun).
 Survivors kept: the healthy group's workers (ranks 0 and 1) that logged the last steps with
 the pids they had before the kill.
 Recomputed: step numbers logged before the kill and again after it. Equal: every shard's final

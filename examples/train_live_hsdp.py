@@ -18,7 +18,10 @@ mesh_dim_names=("replicate", "shard"))`` then ``fully_shard(module, mesh=mesh)``
    dimension is the loop's: it sums the gradients across groups with collectives it can
    abandon when a group dies;
 2. the step loop is a ``LiveLoop`` (it splits the global batch over every rank of every
-   group and steps the optimizer); the body calls ``step.backward(loss)``.
+   group and steps the optimizer); the body calls ``step.backward(loss)``;
+3. (optional) what a step trained is logged from ``on_commit``, which the loop calls right
+   after the optimizer step, as a torchrun script logs after ``opt.step()``: a body can
+   run again after a failure, a commit happens once.
 
 Each rank appends one JSON line per step body to ``--progress`` (a step redone after a
 failure: twice), one per committed step to ``--commits``, and, at the end, writes its
@@ -92,6 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     model, opt = sharded(a.dim, a.blocks, mesh)
     data = TensorDataset(*samples(a.dim))
 
+    rows: dict[int, dict] = {}  # (a step's body row, until its commit is logged)
+
+    def committed(number: int) -> None:  # (3) right after the optimizer step
+        _log(a.commits, {**rows.pop(number), "ts": time.time()})
+
     loop = LiveLoop(
         model,
         opt,
@@ -101,11 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         seed=3,
         checkpoint_dir=a.ckpt_dir or None,
         checkpoint_every=a.ckpt_every,
+        on_commit=committed,
     )  # (2)
-    done = None  # (the row of the step whose commit the next iteration confirms)
     for step in loop:
-        if done is not None and done["step"] < step.number:
-            _log(a.commits, {**done, "ts": time.time()})  # (its commit happened just now)
         for xb, yb in step.batches():
             step.backward(torch.nn.functional.mse_loss(model(xb), yb))
         if a.step_time:
@@ -114,9 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                "world": step.world_size, "pid": os.getpid(),
                "epoch": loop.epoch.number if loop.epoch else None}  # fmt: skip
         _log(a.progress, {**row, "ids": step.indices})
-        done = row
-    if done is not None:
-        _log(a.commits, {**done, "ts": time.time()})
+        rows.clear()  # (a body redone after a failure replaces the one before)
+        rows[step.number] = row
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         shard = int(os.environ["FLEXRUN_LIVE_SHARD"])

@@ -11,6 +11,7 @@ groups, a step's gradient is the same sum of two portions whoever computed them)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -65,7 +66,7 @@ def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equa
     procs: Procs, reference: dict[int, list[dict]], sig: signal.Signals
 ) -> None:
     assert sorted(reference) == [0, 1] and all(len(r) == 2 for r in reference.values())
-    agent, run = start(procs, "hit")
+    agent, run = start(procs, "hit", script=("--commits", str(procs.tmp / "hit" / "c.jsonl")))
     wait_step(run, 15)
     wait_for(lambda: spare_ready(run), 90, "warm spares to be ready")
     wait_for(lambda: len([p for p in run.rglob("spare-*.ready")]) >= 2, 90, "two warm spares")
@@ -98,6 +99,13 @@ def test_a_lost_shard_worker_costs_its_group_only_and_the_run_stays_bitwise_equa
     assert all(e["source"] == 0 and e["step"] > 0 for e in new), new  # (from a peer)
     assert_at_most_step_in_flight_redone(run, recoveries=1)
     assert_every_sample_once_per_data_epoch(rows, global_batch=BATCH, dataset=DATA)
+    # LiveLoop's on_commit: every step once per survivor, in order, though a body ran twice.
+    commits = [json.loads(x) for x in (run / "c.jsonl").read_text().splitlines()]
+    for pid in (first[0], first[1]):
+        assert [c["step"] for c in commits if c["pid"] == pid] == list(range(STEPS)), pid
+    for c in commits:  # (a commit follows its own step's body, on that rank)
+        assert any(r["pid"] == c["pid"] and r["step"] == c["step"] and r["ts"] <= c["ts"]
+                   for r in rows), c  # fmt: skip
     got = read_shards(run / "out")
     assert sorted(got) == [0, 1] and all(len(r) == 2 for r in got.values())
     for i in (0, 1):

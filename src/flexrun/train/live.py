@@ -79,7 +79,7 @@ from flexrun.train.live_plan import plan_recovery
 from flexrun.train.live_portions import split_share
 from flexrun.train.live_settle import settle
 from flexrun.train.live_shards import Shards, shard_mesh
-from flexrun.train.live_sync import broadcast_state, state_checksum
+from flexrun.train.live_sync import broadcast_state, state_checksum, sum_replicas
 from flexrun.train.stopsignal import hold as hold_stop_signal
 
 log = logging.getLogger("flexrun.train.live")
@@ -151,25 +151,6 @@ def _begin(loop: LiveLoop) -> None:
             p.grad = None
 
 
-def _sum_replicas(
-    group: EpochGroup, params: Sequence[torch.Tensor], flags: torch.Tensor
-) -> torch.Tensor:
-    """Whole-model replicas: sum the gradients of ``params`` and ``flags`` in one all-reduce
-    over the epoch's group (an aborting epoch change raises LiveAborted); returns the summed
-    flags."""
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-    if grads:  # (a model on a GPU: one buffer on its device)
-        flags = flags.to(dtype=grads[0].dtype, device=grads[0].device)
-    buf = torch.cat([*grads, flags]) if grads else flags
-    group.wait(group.pg.allreduce([buf]))
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = buf[offset : offset + n].view_as(p).clone()
-        offset += n
-    return buf[-2:]
-
-
 def _report(loop: LiveLoop) -> MemberReport:
     """What a worker posts in an epoch's agreement (its loss and group handle aside)."""
     if loop.shards is not None:
@@ -197,6 +178,12 @@ class LiveLoop:
 
     After each ``for`` body, gradients are summed across the current members and the
     optimizer steps; that is the step's commit. Do not wrap the model in DDP.
+
+    ``on_commit(step)``, if given, is called on every rank right after the optimizer step
+    of each committed step (with its ``Step.number``), before any checkpoint save or
+    membership change: the place to log what was trained, since a step's body can run
+    again after a failure but a survivor commits it once (a fallback to the durable
+    checkpoint rolls the count back, and steps after it are committed again).
     """
 
     def __init__(
@@ -213,6 +200,7 @@ class LiveLoop:
         checkpoint_every: int = 0,
         timeout_s: float = 120.0,
         environ: Mapping[str, str] | None = None,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
         if global_batch < 1 or steps < 0:
             raise ConfigError(
@@ -230,6 +218,7 @@ class LiveLoop:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.timeout_s = timeout_s
+        self.on_commit = on_commit
         self.committed = 0
         self.has_state = False
         self.rank = 0
@@ -320,7 +309,7 @@ class LiveLoop:
                 yield step
                 if not self._commit(step):
                     continue
-                if self._preempted_all():
+                if _preempted_all(self):
                     return
             self.group.mark_done(self.total_steps)
             self.durable.wait()
@@ -350,7 +339,7 @@ class LiveLoop:
             if self.shards is not None:
                 self.shards.reduce(self.group.wait, flags, self.group.pg)
             else:
-                flags = _sum_replicas(self.group, self._params, flags)
+                flags = sum_replicas(self.group, self._params, flags)
         except LiveAborted as exc:
             _settled(self.shards, voted=False)
             self._rejoin(reason=str(exc))
@@ -361,6 +350,8 @@ class LiveLoop:
         self.optimizer.step()
         self.committed += 1
         self.has_state = True
+        if self.on_commit is not None:
+            self.on_commit(step.number)
         if self.lost.committed(time.monotonic()):
             self._mark()
         self._flags = (float(flags[-2]), float(flags[-1]))
@@ -370,25 +361,6 @@ class LiveLoop:
         if self._flags[0] > 0 and not self._flags[1] > 0:
             self._rejoin(reason="membership change at a step boundary")
         return True
-
-    def _preempted_all(self) -> bool:
-        """SIGTERM seen by some ranks: everyone agreed through the all-reduce flag."""
-        flags = self._flags
-        if not flags[1] > 0:
-            return False
-        if int(flags[1]) >= self.world_size:
-            if self.durable.saver and self.checkpoint_dir:
-                self.durable.save(self.committed, blocking=True)
-            self.events.emit("preempted", step=self.committed, rank=self.rank)
-            self._retire()
-            sys.exit(PREEMPTED_EXIT)
-        if self._preempted:
-            # Only this node is going away: leave after a committed step; the others
-            # re-form without us and lose nothing.
-            self.events.emit("preempted", step=self.committed, rank=self.rank, partial=True)
-            self._retire()
-            sys.exit(PREEMPTED_EXIT)
-        return False
 
     # -- membership -------------------------------------------------------------------------
     def _rejoin(self, *, reason: str) -> None:
@@ -485,6 +457,26 @@ class LiveLoop:
         """Wait for the last durable checkpoint and leave the live protocol. Idempotent."""
         self._retire()
         self.durable.close()
+
+
+def _preempted_all(loop: LiveLoop) -> bool:
+    """SIGTERM seen by some ranks: everyone agreed through the all-reduce flag."""
+    flags = loop._flags
+    if not flags[1] > 0:
+        return False
+    if int(flags[1]) >= loop.world_size:
+        if loop.durable.saver and loop.checkpoint_dir:
+            loop.durable.save(loop.committed, blocking=True)
+        loop.events.emit("preempted", step=loop.committed, rank=loop.rank)
+        loop._retire()
+        sys.exit(PREEMPTED_EXIT)
+    if loop._preempted:
+        # Only this node is going away: leave after a committed step; the others
+        # re-form without us and lose nothing.
+        loop.events.emit("preempted", step=loop.committed, rank=loop.rank, partial=True)
+        loop._retire()
+        sys.exit(PREEMPTED_EXIT)
+    return False
 
 
 __all__ = [

@@ -1,6 +1,6 @@
-"""Live mode's state plumbing: a model checksum that members compare, the broadcast that
-hands one member's model and optimizer state to every other member of an epoch, and the
-deliberate leak of abandoned process groups.
+"""Live mode's state plumbing: a model checksum that members compare, the gradient sum of
+whole-model replicas, the broadcast that hands one member's model and optimizer state to
+every other member of an epoch, and the deliberate leak of abandoned process groups.
 
 Owns no membership decisions (``flexrun.train.live_plan`` says who sends) and no group
 formation (``flexrun.train.live_group``); ``flexrun.train.live`` calls these.
@@ -11,12 +11,15 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import io
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flexrun.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from flexrun.train.live_group import EpochGroup
 
 
 def state_checksum(model: torch.nn.Module) -> str:
@@ -28,6 +31,25 @@ def state_checksum(model: torch.nn.Module) -> str:
         t = t.to_local() if hasattr(t, "to_local") else t  # (a shard: this rank's part)
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def sum_replicas(
+    group: EpochGroup, params: Sequence[torch.Tensor], flags: torch.Tensor
+) -> torch.Tensor:
+    """Whole-model replicas: sum the gradients of ``params`` and ``flags`` in one all-reduce
+    over the epoch's group (an aborting epoch change raises LiveAborted); returns the summed
+    flags."""
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    if grads:  # (a model on a GPU: one buffer on its device)
+        flags = flags.to(dtype=grads[0].dtype, device=grads[0].device)
+    buf = torch.cat([*grads, flags]) if grads else flags
+    group.wait(group.pg.allreduce([buf]))
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = buf[offset : offset + n].view_as(p).clone()
+        offset += n
+    return buf[-2:]
 
 
 def broadcast_state(
