@@ -150,7 +150,13 @@ SIGUSR1 = Case(
 def test_a_listed_signal_reaches_the_workers(runner: Runner) -> None:
     runs = runner(SIGUSR1)
     for run in runs.values():
-        assert (run.probe_dir / "signal_0").read_text() == "SIGUSR1", run.launcher
+        noted = run.probe_dir / "signal_0"
+        # (seen once in a clean-clone suite run, 2026-12-08: flexrun's worker wrote no note;
+        # say what there was, to tell a worker never armed from a signal lost on the way)
+        what = (f"{run.launcher}: rc {run.rc}, probe files "
+                f"{sorted(p.name for p in run.probe_dir.iterdir())}, stderr: {run.stderr[-1500:]}")  # fmt: skip
+        assert noted.exists(), what
+        assert noted.read_text() == "SIGUSR1", what
 
 
 BAD = [
