@@ -153,8 +153,8 @@ def test_a_listed_signal_reaches_the_workers(runner: Runner) -> None:
         noted = run.probe_dir / "signal_0"
         # (seen once in a clean-clone suite run, 2026-12-08: flexrun's worker wrote no note;
         # say what there was, to tell a worker never armed from a signal lost on the way)
-        what = (f"{run.launcher}: rc {run.rc}, probe files "
-                f"{sorted(p.name for p in run.probe_dir.iterdir())}, stderr: {run.stderr[-1500:]}")  # fmt: skip
+        files = sorted(p.name for p in run.probe_dir.glob("*"))  # (none when it is missing)
+        what = f"{run.launcher}: rc {run.rc}, probe files {files}, stderr: {run.stderr[-1500:]}"
         assert noted.exists(), what
         assert noted.read_text() == "SIGUSR1", what
 

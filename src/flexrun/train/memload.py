@@ -15,10 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from flexrun.errors import CheckpointError
-from flexrun.train.memsave import MAGIC, TRAILER, copy_name, copy_steps
+from flexrun.train.memsave import CHECKSUM, MAGIC, TRAILER, copy_name, copy_steps
 from flexrun.train.serialize import load_weights_only
 
 log = logging.getLogger(__name__)
@@ -40,7 +38,7 @@ def verify_blob(blob: bytes, *, what: str) -> memoryview:
             f"{what}: {len(blob) - TRAILER.size} payload bytes, {length} expected"
         )
     payload = memoryview(blob)[:length]
-    if xxhash.xxh3_128(payload).digest() != digest:
+    if CHECKSUM(payload).digest() != digest:
         raise CheckpointError(f"{what}: checksum mismatch (corrupted in memory)")
     return payload
 

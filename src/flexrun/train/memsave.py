@@ -40,6 +40,8 @@ tampering: the memory directory is the job user's alone, and a copy is unpickled
 ``weights_only`` only. It is not sha256 because a copy is written every step beside
 training: sha256 of a 50M-parameter Adam state (576 MiB) took 0.39 s of CPU here, XXH3
 0.06 s (bench/results/checkpoint_memory.txt)."""
+CHECKSUM = xxhash.xxh3_128
+"""The trailer's checksum: a hasher (``update``, ``digest``); the reader checks with it too."""
 KEEP = 2
 """Copies kept per node: the newest and the one before it (used when the newest fails
 verification). The older one is removed before a new one is written, so at most
@@ -81,7 +83,7 @@ class _HashingFile:
 
     def __init__(self, f: Any) -> None:
         self._f = f
-        self.checksum = xxhash.xxh3_128()
+        self.checksum = CHECKSUM()
         self.nbytes = 0
 
     def write(self, data: Any) -> int:
